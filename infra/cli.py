@@ -1,0 +1,140 @@
+"""The ``reflow`` command.
+
+Parsing and config validation import nothing heavy, so ``reflow --help`` and
+config errors answer at once; torch, Ray, vLLM and Prefect load only when a
+command needs them. Exit codes: 0 success, 1 the run failed, 2 bad input
+(config, model path, table path), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from reflow.infra.config import ConfigError, ReflowConfig, load_config
+
+EXIT_BAD_INPUT = 2
+
+
+class InputError(Exception):
+    """Bad input detected before anything was written; exits with code 2."""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", metavar="FILE", help="TOML experiment file (default: built-in defaults)")
+    p.add_argument("--set", "-s", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a config field, e.g. --set rollout.prompts_per_step=16 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reflow", description="RL post-training that keeps every device busy.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help="train a policy (default: tiny model, arith workload, CPU)")
+    _add_config_args(run)
+    run.add_argument("--out", metavar="DIR", help="directory for run directories (sets run.out_dir)")
+    run.add_argument("--verbose", "-v", action="store_true", help="show Prefect/Ray/vLLM logs")
+    model = sub.add_parser("model", help="model utilities")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
+    init = model_sub.add_parser("init", help="build (or find cached) the tiny warm-started default policy")
+    _add_config_args(init)
+    show = sub.add_parser("config", help="print the resolved config as JSON")
+    _add_config_args(show)
+    return parser
+
+
+def _quiet_environment(verbose: bool) -> None:
+    """Keep the console to progress lines unless --verbose (set before the libraries load)."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    if verbose:
+        os.environ["REFLOW_VERBOSE"] = "1"
+    else:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("RAY_LOG_TO_DRIVER_EVENT_LEVEL", "ERROR")
+
+
+def preflight(cfg: ReflowConfig) -> None:
+    """Check paths the config names, before anything is created. Raises InputError."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path)
+        if not path.is_dir():
+            raise InputError(f"model.path: {str(path)!r} does not exist or is not a directory")
+        if not (path / "config.json").is_file():
+            raise InputError(f"model.path: {str(path)!r} is not a Hugging Face model directory (no config.json)")
+    out = Path(cfg.run.out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"run.out_dir: {str(out)!r} exists and is not a directory")
+    if cfg.storage.root is not None:
+        from reflow.storage.delta_store import DeltaTrajectoryStore, StorageError
+
+        try:
+            DeltaTrajectoryStore(cfg.storage.root).table_versions()
+        except StorageError as exc:
+            raise InputError(f"storage.root: {exc}") from None
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides) + ([f"run.out_dir={json.dumps(args.out)}"] if args.out else [])
+    cfg = load_config(args.config, overrides)
+    preflight(cfg)
+    _quiet_environment(args.verbose)
+    from reflow.infra.config import config_to_json
+    from reflow.infra.run import new_run_id
+
+    run_id = new_run_id(cfg)
+    run_dir = str((Path(cfg.run.out_dir) / run_id).resolve())
+    print(f"reflow run {run_id}: mode={cfg.mode.kind} engine={cfg.rollout.engine} steps={cfg.run.total_steps} "
+          f"prompts/step={cfg.rollout.prompts_per_step} samples/prompt={cfg.rollout.samples_per_prompt}", flush=True)
+    from reflow.flows.rl_train import rl_train
+
+    outcome = rl_train(config_json=config_to_json(cfg), run_dir=run_dir, run_id=run_id)
+    print(f"\nrun directory : {outcome.run_dir}\ncurves        : {outcome.curves_png}\n"
+          f"final model   : {outcome.final_model}\nDelta tables  : {outcome.store_root}/trajectories, "
+          f"{outcome.store_root}/usage\nMLflow run    : {outcome.mlflow_run_id}\nMLflow UI     : {outcome.tracking_ui}",
+          flush=True)
+    return 0
+
+
+def _cmd_model_init(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if cfg.model.path is not None:
+        raise InputError("model init builds the tiny default policy; unset model.path")
+    _quiet_environment(False)
+    from reflow.policies.tiny import ensure_tiny_model
+
+    print(ensure_tiny_model(cfg.model, cfg.env, cfg.run.seed))
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from reflow.infra.config import config_to_json
+
+    print(config_to_json(load_config(args.config, args.overrides)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``reflow`` script."""
+    args = build_parser().parse_args(argv)
+    handlers = {"run": _cmd_run, "config": _cmd_config}
+    handler = _cmd_model_init if args.command == "model" else handlers[args.command]
+    try:
+        return handler(args)
+    except (ConfigError, InputError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""The one configuration tree of a reflow run.
+
+Experiments are short TOML files under ``configs/``; every field has a
+default, a description and bounds, so an empty file is a valid run (the
+embedded CPU default). Dotted overrides (``rollout.prompts_per_step=16``)
+are applied before validation, so a bad override is reported exactly like a
+bad file.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RunConfig(_Section):
+    name: str = Field("default", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="Run name; the run directory is <out_dir>/<name>-<timestamp>.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for prompts, sampling and init.")
+    out_dir: str = Field("runs", description="Directory that holds run directories.")
+    total_steps: int = Field(60, ge=1, le=1_000_000, description="Trainer updates to run.")
+    checkpoint_every_steps: int = Field(20, ge=1, le=1_000_000,
+                                        description="Save model + optimizer every N steps (and at the end).")
+
+
+class TinyModelConfig(_Section):
+    """Shape and warm-start of the built-in tiny Qwen3-architecture policy."""
+
+    hidden_size: int = Field(128, ge=16, le=1024, description="Model width.")
+    num_layers: int = Field(4, ge=1, le=16, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, le=32, description="Attention heads (head_dim = hidden/heads).")
+    num_kv_heads: int = Field(2, ge=1, le=32, description="Key/value heads (GQA).")
+    intermediate_size: int = Field(384, ge=16, le=4096, description="MLP width.")
+    max_position_embeddings: int = Field(512, ge=64, le=8192, description="Longest sequence in tokens.")
+    sft_steps: int = Field(300, ge=0, le=100_000, description="Supervised warm-start steps on reference solutions.")
+    sft_examples_per_step: int = Field(32, ge=1, le=1024, description="Reference solutions per SFT step.")
+    sft_learning_rate: float = Field(3e-3, gt=0, le=1.0, description="Peak SFT learning rate (AdamW, cosine).")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError("model.tiny.hidden_size must be a multiple of model.tiny.num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.tiny.num_heads must be a multiple of model.tiny.num_kv_heads")
+        return self
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(None, description="A Hugging Face model directory. Unset: build (or reuse "
+                                               "from cache) the tiny warm-started policy.")
+    cache_dir: str = Field(".cache/reflow/models", description="Where built tiny models are cached, "
+                                                               "keyed by a hash of their inputs.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights dtype for training and generation.")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+
+
+class EnvConfig(_Section):
+    kind: Literal["arith"] = Field("arith", description="Workload: prompts + verifiable reward.")
+    min_terms: int = Field(2, ge=2, le=64, description="arith: fewest numbers in a sum.")
+    max_terms: int = Field(24, ge=2, le=64, description="arith: most numbers in a sum.")
+    tail_p: float = Field(0.45, gt=0, lt=1, description="arith: geometric parameter of the number of "
+                                                        "extra terms; smaller means a longer tail.")
+    max_operand: int = Field(99, ge=9, le=9999, description="arith: largest operand.")
+    format_reward: float = Field(0.0, ge=0, le=1, description="Reward for a well-formed answer line that is wrong.")
+    eval_prompts: int = Field(128, ge=0, le=100_000, description="Held-out prompts for evaluation (0: none).")
+
+    @model_validator(mode="after")
+    def _terms_ordered(self) -> "EnvConfig":
+        if self.min_terms > self.max_terms:
+            raise ValueError("env.min_terms must be <= env.max_terms")
+        return self
+
+
+class RolloutConfig(_Section):
+    engine: Literal["vllm", "transformers"] = Field("vllm", description="Generation backend.")
+    prompts_per_step: int = Field(32, ge=1, le=65_536, description="Distinct prompts per update.")
+    samples_per_prompt: int = Field(8, ge=1, le=1024, description="Responses per prompt (the GRPO group).")
+    max_response_tokens: int = Field(192, ge=1, le=131_072, description="Longest response in tokens.")
+    temperature: float = Field(1.0, gt=0, le=5.0, description="Sampling temperature (1.0 keeps the "
+                                                              "behaviour log-probs exact).")
+    max_concurrent_sequences: int = Field(256, ge=1, le=65_536, description="Engine's max running sequences.")
+    kv_cache_gib: int = Field(1, ge=1, le=1024, description="vLLM CPU KV-cache size in GiB "
+                                                         "(VLLM_CPU_KVCACHE_SPACE).")
+    enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts in seconds; for tiny "
+                                                     "models on CPU eager decoding was as fast as compiled).")
+
+
+class TrainConfig(_Section):
+    learning_rate: float = Field(1e-4, gt=0, le=1.0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="Gradient clipping norm.")
+    micro_batch_tokens: int = Field(8192, ge=64, le=10_000_000, description="Token budget of one micro-batch "
+                                                                           "(prompt + response, padded).")
+    clip_eps_low: float = Field(0.2, ge=0, le=1.0, description="PPO ratio clip below 1.")
+    clip_eps_high: float = Field(0.28, ge=0, le=10.0, description="PPO ratio clip above 1 (DAPO clip-higher).")
+    kl_coef: float = Field(0.0, ge=0, le=10.0, description="Weight of the k3 KL to the initial policy (0: off, "
+                                                           "no reference model is kept).")
+    loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation over "
+                                                                                  "tokens of a batch.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Trainer device.")
+
+
+class ModeConfig(_Section):
+    kind: Literal["sync"] = Field("sync", description="Orchestration mode.")
+
+
+class ResourcesConfig(_Section):
+    ray_address: str | None = Field(None, description="Ray cluster address; unset starts Ray locally.")
+    num_cpus: int | None = Field(None, ge=1, le=100_000, description="CPUs for a local Ray (unset: all).")
+    engine_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per engine actor.")
+    trainer_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per trainer actor.")
+    engine_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per engine actor.")
+    trainer_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per trainer actor.")
+    torch_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads per actor.")
+
+
+class TrackingConfig(_Section):
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI; unset uses a local sqlite "
+                                                       "store under out_dir.")
+    experiment: str = Field("reflow", min_length=1, description="MLflow experiment name.")
+
+
+class StorageConfig(_Section):
+    root: str | None = Field(None, description="Where the Delta tables live (local path or s3://, gs://, "
+                                               "az:// URI); unset: <run dir>/tables.")
+
+
+class EvalConfig(_Section):
+    every_steps: int = Field(10, ge=1, le=1_000_000, description="Evaluate on held-out prompts every N steps.")
+    samples_per_prompt: int = Field(1, ge=1, le=64, description="Samples per held-out prompt.")
+
+
+class ReflowConfig(_Section):
+    """The whole tree. Sections mirror the system's parts."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    mode: ModeConfig = Field(default_factory=ModeConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ReflowConfig":
+        if self.model.path is None:
+            longest_prompt = 8 + 6 * self.env.max_terms
+            if longest_prompt + self.rollout.max_response_tokens > self.model.tiny.max_position_embeddings:
+                raise ValueError(
+                    "rollout.max_response_tokens plus the longest arith prompt "
+                    f"({longest_prompt} tokens) exceeds model.tiny.max_position_embeddings "
+                    f"({self.model.tiny.max_position_embeddings}); lower one or raise the other")
+        if self.rollout.prompts_per_step * self.rollout.samples_per_prompt > 1_000_000:
+            raise ValueError("rollout.prompts_per_step * rollout.samples_per_prompt must be <= 1,000,000")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the field."""
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key.path=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: empty key")
+    try:  # TOML literal: numbers, booleans, quoted strings, arrays
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare string such as a path
+    return key, value
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for item in err.errors():
+        path = ".".join(str(p) for p in item["loc"]) or "<root>"
+        msg = item["msg"]
+        if item["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see configs/default.toml for the fields)"
+        given = item.get("input")
+        shown = "" if isinstance(given, dict) or item["type"] == "missing" else f" (got {given!r})"
+        lines.append(f"  {path}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ReflowConfig:
+    """Read a TOML file (or nothing: defaults), apply ``key.path=value`` overrides, validate.
+
+    Raises ConfigError with a message that names the field path and what was expected.
+    """
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {source!r} does not exist")
+        try:
+            tree = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {source!r} is not valid TOML: {exc}") from exc
+    for item in overrides or []:
+        key, value = _parse_override(item)
+        _set_dotted(tree, key, value)
+    if overrides:
+        source += " + overrides"
+    try:
+        return ReflowConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+
+
+def config_to_json(cfg: ReflowConfig) -> str:
+    """The resolved config as JSON (saved with every run)."""
+    return json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+def flat_params(cfg: ReflowConfig) -> dict[str, str]:
+    """The resolved config flattened to dotted keys (MLflow params)."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = str(node)
+
+    walk("", cfg.model_dump(mode="json"))
+    return out

@@ -1,0 +1,93 @@
+"""A run's identity and the references its tasks pass around.
+
+The run directory holds ``run.json`` (this ``RunRecord``), ``config.json``
+(the resolved config), ``steps.jsonl`` (one ``StepRecord`` per step),
+checkpoints, the final model and, by default, the Delta tables. Tasks receive
+the run directory and load everything else from it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from reflow.infra.config import ReflowConfig, config_to_json
+
+
+class RunRecord(BaseModel):
+    """Everything a task needs to find the run's workers, tables and tracker."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str
+    run_dir: str
+    store_root: str
+    model_dir: str
+    namespace: str
+    engines: tuple[str, ...]
+    trainer: str
+    tracking_uri: str
+    mlflow_run_id: str | None = None
+
+
+class StepRecord(BaseModel):
+    """One step's figures, as logged to MLflow and ``steps.jsonl``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int
+    policy_version: int
+    elapsed_s: float
+    metrics: dict[str, float]
+
+
+def new_run_id(cfg: ReflowConfig) -> str:
+    """``<name>-<UTC timestamp>`` (also the run directory's name)."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S-%f")[:-3]
+    return f"{cfg.run.name}-{stamp}"
+
+
+def default_tracking_uri(cfg: ReflowConfig) -> str:
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    return f"sqlite:///{Path(cfg.run.out_dir).resolve() / 'mlflow.db'}"
+
+
+def write_record(record: RunRecord) -> None:
+    path = Path(record.run_dir) / "run.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(record.model_dump_json(indent=2))
+    tmp.replace(path)
+    load_record.cache_clear()
+
+
+def write_config(run_dir: str | Path, cfg: ReflowConfig) -> Path:
+    path = Path(run_dir) / "config.json"
+    path.write_text(config_to_json(cfg))
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def load_record(run_dir: str) -> RunRecord:
+    return RunRecord.model_validate_json((Path(run_dir) / "run.json").read_text())
+
+
+@functools.lru_cache(maxsize=8)
+def load_config_of(run_dir: str) -> ReflowConfig:
+    return ReflowConfig.model_validate_json((Path(run_dir) / "config.json").read_text())
+
+
+def append_step(run_dir: str | Path, record: StepRecord) -> None:
+    with open(Path(run_dir) / "steps.jsonl", "a") as fh:
+        fh.write(record.model_dump_json() + "\n")
+
+
+def read_steps(run_dir: str | Path) -> list[StepRecord]:
+    path = Path(run_dir) / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [StepRecord.model_validate(json.loads(line)) for line in path.read_text().splitlines() if line]

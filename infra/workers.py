@@ -1,0 +1,151 @@
+"""Ray actors that host the engines and the trainer, and their placement.
+
+Actors are named inside a per-run Ray namespace, so Prefect tasks find them
+by name (a reference) instead of receiving clients. Weights travel from the
+trainer to the engines through Ray's object store, never through the driver.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+
+from reflow.infra.config import ReflowConfig
+
+
+def _quiet_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1",
+            "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+
+
+class EngineWorker:
+    """Hosts one generation ``Engine`` in its own process."""
+
+    def __init__(self, kind: str, settings: Any, version: int = 0) -> None:
+        import torch
+
+        from reflow.policies.engines import make_engine
+
+        torch.set_num_threads(settings.threads)
+        self.engine = make_engine(kind, settings, version)
+
+    def generate(self, requests: Sequence[Any]) -> list[Any]:
+        from reflow.policies.engines import generate_all
+
+        return generate_all(self.engine, requests)
+
+    def update_weights(self, state: dict[str, Any], version: int) -> int:
+        self.engine.update_weights(state, version)
+        return version
+
+    def version(self) -> int:
+        return self.engine.version
+
+
+class TrainerWorker:
+    """Hosts the ``Trainer``; reads its batches from the trajectory store itself."""
+
+    def __init__(self, model_dir: str, config_json: str, store_root: str, threads: int) -> None:
+        import torch
+
+        from reflow.infra.config import ReflowConfig
+        from reflow.policies.trainer import Trainer
+
+        torch.set_num_threads(threads)
+        cfg = ReflowConfig.model_validate_json(config_json)
+        device = cfg.train.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.store_root = store_root
+        self.trainer = Trainer(model_dir, cfg.train, cfg.run.seed, device=device, dtype=cfg.model.dtype)
+
+    def train(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float]) -> Any:
+        """One step on the named trajectories (advantages computed per whole GRPO group)."""
+        from reflow.policies.batch import train_samples_from_table
+        from reflow.storage.delta_store import DeltaTrajectoryStore
+
+        table = DeltaTrajectoryStore(self.store_root).read_trajectories(run_id=run_id, ids=trajectory_ids)
+        weights = dict(zip(trajectory_ids, loss_weights))
+        return self.trainer.step(train_samples_from_table(table, weights))
+
+    def export_weights(self) -> dict[str, Any]:
+        return self.trainer.export_weights()
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def save_checkpoint(self, path: str) -> str:
+        return str(self.trainer.save_checkpoint(path))
+
+    def load_checkpoint(self, path: str) -> int:
+        return self.trainer.load_checkpoint(path)
+
+    def save_hf(self, path: str) -> str:
+        return str(self.trainer.save_hf(path))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Names of a run's actors inside its Ray namespace."""
+
+    namespace: str
+    engines: tuple[str, ...]
+    trainer: str
+
+
+# Named actors that are not detached die with their last handle; the process
+# that launched them keeps the handles here until ``stop_workers``.
+_HANDLES: dict[str, list[Any]] = {}
+
+
+def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
+    """Join the configured cluster, or start a quiet local Ray."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": verbose,
+                              "configure_logging": True, "logging_level": "warning"}
+    if cfg.resources.ray_address:
+        ray.init(address=cfg.resources.ray_address, **kwargs)
+    else:
+        ray.init(num_cpus=cfg.resources.num_cpus, include_dashboard=False, **kwargs)
+
+
+def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root: str,
+                   engine_settings: Any, version: int = 0) -> Placement:
+    """Create the engine and trainer actors and wait until both are ready."""
+    from reflow.infra.config import config_to_json
+
+    res = cfg.resources
+    env = {"env_vars": _quiet_env(res.torch_threads)}
+    engine_name = "engine-0"
+    trainer_name = "trainer"
+    engine = ray.remote(EngineWorker).options(
+        name=engine_name, namespace=namespace, num_cpus=res.engine_cpus, num_gpus=res.engine_gpus,
+        runtime_env=env, max_concurrency=1).remote(cfg.rollout.engine, engine_settings, version)
+    trainer = ray.remote(TrainerWorker).options(
+        name=trainer_name, namespace=namespace, num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
+        runtime_env=env).remote(model_dir, config_to_json(cfg), store_root, res.torch_threads)
+    _HANDLES[namespace] = [engine, trainer]
+    ray.get([engine.version.remote(), trainer.version.remote()])
+    return Placement(namespace=namespace, engines=(engine_name,), trainer=trainer_name)
+
+
+def actor(name: str, namespace: str) -> Any:
+    """A run's actor by name."""
+    return ray.get_actor(name, namespace=namespace)
+
+
+def stop_workers(placement: Placement) -> None:
+    """Kill the run's actors (their processes exit) and disconnect from Ray."""
+    for name in (*placement.engines, placement.trainer):
+        try:
+            ray.kill(ray.get_actor(name, namespace=placement.namespace))
+        except ValueError:
+            pass
+    _HANDLES.pop(placement.namespace, None)
+    ray.shutdown()

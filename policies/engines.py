@@ -1,0 +1,245 @@
+"""Generation engines behind one small interface.
+
+``Engine`` is what the control plane talks to: submit requests, advance and
+collect finished samples, abort, and swap weights in place. Two real
+implementations:
+
+* ``VLLMEngine`` - vLLM's ``LLMEngine`` driven step by step in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so it can live inside a Ray actor and
+  take new weights straight from memory (``reload_weights``, no disk).
+* ``TransformersEngine`` - plain ``transformers`` ``generate`` with sampling;
+  it serves where vLLM is not installed (e.g. a CUDA machine without vLLM).
+
+Alignment rule of every ``GenResult``: ``logprobs`` has one entry per
+``response_tokens`` entry, the log-probability of that token under the
+weights of ``version`` at temperature 1 (see ``RolloutConfig.temperature``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One sample to generate: a prompt and a token budget."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class GenResult:
+    """A finished (or aborted) sample; one log-prob per response token."""
+
+    request_id: str
+    response_tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    version: int
+
+
+class Engine(Protocol):
+    """Submit, collect finished samples, abort, update weights."""
+
+    version: int
+
+    def submit(self, requests: Sequence[GenRequest]) -> None: ...
+
+    def collect(self, max_steps: int = 1) -> list[GenResult]: ...
+
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    def num_unfinished(self) -> int: ...
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None: ...
+
+
+def generate_all(engine: Engine, requests: Sequence[GenRequest]) -> list[GenResult]:
+    """Submit ``requests`` and collect until every one has finished."""
+    engine.submit(requests)
+    done: list[GenResult] = []
+    while engine.num_unfinished():
+        done.extend(engine.collect(max_steps=16))
+    return done
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine needs to start; built from ``RolloutConfig`` by the caller."""
+
+    model_dir: str
+    dtype: str
+    temperature: float
+    eos_token_id: int
+    max_model_len: int
+    max_concurrent_sequences: int
+    seed: int
+    kv_cache_gib: int = 1
+    enforce_eager: bool = True
+    threads: int = 2
+
+
+class VLLMEngine:
+    """vLLM's ``LLMEngine`` stepped in-process."""
+
+    def __init__(self, settings: EngineSettings, version: int = 0) -> None:
+        # Must be set before vLLM is imported: KV cache size on CPU, and keep the
+        # engine core in this process so weights can be swapped from memory.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.settings = settings
+        self.version = version
+        self._llm = LLM(model=settings.model_dir, dtype=settings.dtype, seed=settings.seed,
+                        max_model_len=settings.max_model_len,
+                        max_num_seqs=settings.max_concurrent_sequences,
+                        enforce_eager=settings.enforce_eager, enable_prefix_caching=True,
+                        disable_log_stats=True)
+        self._engine = self._llm.llm_engine
+        self._make_params = lambda max_tokens: SamplingParams(
+            temperature=settings.temperature, max_tokens=max_tokens, logprobs=0, n=1,
+            stop_token_ids=[settings.eos_token_id], detokenize=False, skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY)
+        self._pending: set[str] = set()
+
+    def submit(self, requests: Sequence[GenRequest]) -> None:
+        from vllm.inputs import TokensPrompt
+
+        for req in requests:
+            self._engine.add_request(req.request_id, TokensPrompt(prompt_token_ids=list(req.prompt_tokens)),
+                                     self._make_params(req.max_tokens))
+            self._pending.add(req.request_id)
+
+    def collect(self, max_steps: int = 1) -> list[GenResult]:
+        done: list[GenResult] = []
+        for _ in range(max_steps):
+            if not self._engine.has_unfinished_requests():
+                break
+            for out in self._engine.step():
+                if not out.finished:
+                    continue
+                self._pending.discard(out.request_id)
+                done.append(self._to_result(out))
+        return done
+
+    def _to_result(self, out: object) -> GenResult:
+        comp = out.outputs[0]  # type: ignore[attr-defined]
+        tokens = list(comp.token_ids)
+        logprobs = [entry[tok].logprob for entry, tok in zip(comp.logprobs or [], tokens)]
+        reason = comp.finish_reason if comp.finish_reason in ("stop", "length") else "abort"
+        return GenResult(out.request_id, tokens, logprobs, reason, self.version)  # type: ignore[attr-defined]
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        ids = [r for r in request_ids if r in self._pending]
+        if ids:
+            self._engine.abort_request(ids)
+        self._pending.difference_update(ids)
+
+    def num_unfinished(self) -> int:
+        return len(self._pending)
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Load ``state`` (Hugging Face names) into the running model, in place."""
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items()),
+                                                           "is_checkpoint_format": True})
+        self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self.version = version
+
+
+class TransformersEngine:
+    """Batched sampling with ``transformers``; for machines without vLLM."""
+
+    def __init__(self, settings: EngineSettings, version: int = 0, device: str = "cpu") -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.settings = settings
+        self.version = version
+        self.device = torch.device(device)
+        dtype = getattr(torch, settings.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=dtype).to(self.device)
+        self.model.eval()
+        self._queue: list[GenRequest] = []
+        self._generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+
+    def submit(self, requests: Sequence[GenRequest]) -> None:
+        self._queue.extend(requests)
+
+    def num_unfinished(self) -> int:
+        return len(self._queue)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        drop = set(request_ids)
+        self._queue = [r for r in self._queue if r.request_id not in drop]
+
+    def collect(self, max_steps: int = 1) -> list[GenResult]:
+        """Generate one batch of up to ``max_concurrent_sequences`` queued requests."""
+        batch = self._queue[: self.settings.max_concurrent_sequences]
+        self._queue = self._queue[len(batch):]
+        return self._sample(batch) if batch else []
+
+    @torch.no_grad()
+    def _sample(self, batch: list[GenRequest]) -> list[GenResult]:
+        """Left-padded ancestral sampling with a KV cache; exact temperature-1 log-probs."""
+        pad = self.settings.eos_token_id
+        width = max(len(r.prompt_tokens) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, r in enumerate(batch):
+            ids[i, width - len(r.prompt_tokens):] = torch.tensor(r.prompt_tokens)
+            attn[i, width - len(r.prompt_tokens):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        budget = torch.tensor([r.max_tokens for r in batch], device=self.device)
+        steps = int(budget.max().item())
+        out = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=True,
+                                  temperature=self.settings.temperature, top_k=0, top_p=1.0,
+                                  max_new_tokens=steps, eos_token_id=pad, pad_token_id=pad,
+                                  output_scores=True, return_dict_in_generate=True)
+        new = out.sequences[:, width:]
+        scores = torch.stack(out.scores, dim=1).float()  # (B, steps, V) after temperature
+        logp = torch.log_softmax(scores, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        return [self._trim(r, new[i], logp[i]) for i, r in enumerate(batch)]
+
+    def _trim(self, req: GenRequest, tokens: torch.Tensor, logp: torch.Tensor) -> GenResult:
+        toks = tokens.tolist()[: req.max_tokens]
+        eos = self.settings.eos_token_id
+        if eos in toks:
+            n = toks.index(eos) + 1
+            return GenResult(req.request_id, toks[:n], logp[:n].tolist(), "stop", self.version)
+        return GenResult(req.request_id, toks, logp[: len(toks)].tolist(), "length", self.version)
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self.model.load_state_dict(state, strict=False)
+        self.version = version
+
+
+def make_engine(kind: str, settings: EngineSettings, version: int = 0) -> Engine:
+    """Engine by config ``rollout.engine``; vLLM errors name the missing package."""
+    if kind == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError("rollout.engine='vllm' but vLLM is not installed; install the 'cpu' or "
+                               "'gpu' extra, or set rollout.engine='transformers'") from exc
+        return VLLMEngine(settings, version)
+    if kind == "transformers":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return TransformersEngine(settings, version, device=device)
+    raise ValueError(f"unknown rollout.engine {kind!r}")
+
+
+def model_max_len(model_dir: str | Path) -> int:
+    """``max_position_embeddings`` of a Hugging Face model directory."""
+    import json
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings", 2048))

@@ -1,0 +1,215 @@
+"""The GRPO trainer: a torch model, AdamW, token-budget micro-batches.
+
+Written for one process here and for FSDP2 across devices: when
+``torch.distributed`` is initialised with more than one rank, every decoder
+layer and the root are wrapped with ``fully_shard`` and ``export_weights``
+gathers full tensors.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from reflow.infra.config import TrainConfig
+from reflow.policies import grpo
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One trajectory as the trainer sees it (one log-prob and mask entry per response token)."""
+
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    behaviour_logprobs: list[float]
+    loss_mask: list[int]
+    advantage: float
+    loss_weight: float
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one optimiser step reports."""
+
+    version: int  # weights version after the step
+    loss: float
+    kl: float
+    entropy: float
+    grad_norm: float
+    clip_fraction: float
+    ratio_mean: float
+    trained_tokens: int
+    micro_batches: int
+    seconds: float
+
+
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices so that ``len(group) * max_length(group) <= token_budget``.
+
+    Samples are taken shortest first, so padding stays small; a sample longer
+    than the budget gets a micro-batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _collate(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded (B, L) ids and (B, L-1) targets aligned to next-token positions."""
+    full = [s.prompt_tokens + s.response_tokens for s in samples]
+    width = max(len(f) for f in full)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), width), dtype=torch.long)
+    mask = torch.zeros((len(samples), width - 1))
+    behaviour = torch.zeros((len(samples), width - 1))
+    for i, (s, f) in enumerate(zip(samples, full)):
+        ids[i, : len(f)] = torch.tensor(f)
+        attn[i, : len(f)] = 1
+        start, end = len(s.prompt_tokens) - 1, len(f) - 1  # position t predicts token t+1
+        mask[i, start:end] = torch.tensor(s.loss_mask, dtype=torch.float)
+        behaviour[i, start:end] = torch.tensor(s.behaviour_logprobs)
+    return {"ids": ids, "attn": attn, "mask": mask, "behaviour": behaviour,
+            "adv": torch.tensor([s.advantage for s in samples]),
+            "weight": torch.tensor([s.loss_weight for s in samples])}
+
+
+class Trainer:
+    """Owns the policy weights and the optimiser; one ``step`` per batch."""
+
+    def __init__(self, model_dir: str, cfg: TrainConfig, seed: int, device: str = "cpu",
+                 dtype: str = "float32", version: int = 0) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.device = torch.device(device)
+        self.version = version
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device)
+        self.pad_id = int(self.model.config.pad_token_id or self.model.config.eos_token_id or 0)
+        self.reference = None
+        if cfg.kl_coef > 0:
+            self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+            self.reference.to(self.device).eval().requires_grad_(False)
+        self._maybe_shard()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
+                                           weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+
+    def _maybe_shard(self) -> None:
+        """FSDP2: shard each decoder layer, then the root, when running on several ranks."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.model.model.layers:
+            fully_shard(layer)
+        fully_shard(self.model)
+
+    def step(self, samples: list[TrainSample]) -> StepMetrics:
+        """One optimiser step on ``samples`` (gradients accumulated over micro-batches)."""
+        start = time.perf_counter()
+        self.model.train()
+        total_tokens = float(sum(sum(s.loss_mask) for s in samples)) or 1.0
+        normaliser = total_tokens if self.cfg.loss_agg == "token_mean" else float(len(samples))
+        sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "ratio": 0.0}
+        groups = pack_micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in samples],
+                                    self.cfg.micro_batch_tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        for idx in groups:
+            part = self._micro_step([samples[i] for i in idx], normaliser)
+            for key in sums:
+                sums[key] += part[key]
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.version += 1
+        return StepMetrics(version=self.version, loss=sums["loss"], kl=sums["kl"] / total_tokens,
+                           entropy=sums["entropy"] / total_tokens, grad_norm=float(grad_norm),
+                           clip_fraction=sums["clip"] / total_tokens, ratio_mean=sums["ratio"] / total_tokens,
+                           trained_tokens=int(total_tokens), micro_batches=len(groups),
+                           seconds=time.perf_counter() - start)
+
+    def _micro_step(self, samples: list[TrainSample], normaliser: float) -> dict[str, float]:
+        batch = {k: v.to(self.device) for k, v in _collate(samples, self.pad_id).items()}
+        logits = self.model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits[:, :-1]
+        targets = batch["ids"][:, 1:]
+        logp = grpo.token_logprobs(logits, targets)
+        mask = batch["mask"]
+        per_token, clipped = grpo.clipped_surrogate(logp, batch["behaviour"], batch["adv"],
+                                                    self.cfg.clip_eps_low, self.cfg.clip_eps_high)
+        kl = torch.zeros_like(logp)
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self.reference(input_ids=batch["ids"], attention_mask=batch["attn"]).logits[:, :-1]
+            kl = grpo.kl_k3(logp, grpo.token_logprobs(ref_logits, targets))
+            per_token = per_token + self.cfg.kl_coef * kl
+        loss = grpo.aggregate(per_token, mask, batch["weight"], self.cfg.loss_agg, normaliser)
+        loss.backward()
+        with torch.no_grad():
+            entropy = grpo.entropy_from_logits(logits.detach())
+            ratio = torch.exp(logp.detach() - batch["behaviour"])
+        return {"loss": float(loss.detach()), "kl": float((kl.detach() * mask).sum()),
+                "entropy": float((entropy * mask).sum()), "clip": float((clipped * mask).sum()),
+                "ratio": float((ratio * mask).sum())}
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) CPU tensors under Hugging Face names."""
+        out = {}
+        for name, tensor in self.model.state_dict().items():
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            out[name] = tensor.detach().to("cpu", copy=True)
+        return out
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Model, optimiser, RNG and version, written to a temp dir then renamed."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save({"model": self.export_weights(), "optimizer": self.optimizer.state_dict(),
+                    "version": self.version, "torch_rng": torch.get_rng_state(),
+                    "numpy_rng": np.random.get_state(), "python_rng": random.getstate()},
+                   tmp / "trainer.pt")
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        """Restore a ``save_checkpoint`` directory; returns the version."""
+        state = torch.load(Path(path) / "trainer.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
+        random.setstate(state["python_rng"])
+        self.version = int(state["version"])
+        return self.version
+
+    def save_hf(self, out_dir: str | Path) -> Path:
+        """The current policy as a Hugging Face directory (weights + tokenizer files)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out, state_dict=self.export_weights())
+        for name in TOKENIZER_FILES:
+            src = Path(self.model_dir) / name
+            if src.exists():
+                shutil.copy2(src, out / name)
+        return out

@@ -1,0 +1,416 @@
+"""The trajectory store: Delta tables ``trajectories`` and ``usage`` under one root.
+
+Layout under ``root`` (a local path or an ``s3://``, ``gs://``, ``az://`` URI)::
+
+    <root>/trajectories   partitioned by policy_version, schema TRAJECTORY_SCHEMA
+    <root>/usage          unpartitioned, schema USAGE_SCHEMA
+
+Tables are created lazily on the first append. Every append carries a Delta
+application transaction ``(app_id, txn_version)``; an append whose
+``txn_version`` is not newer than the one already committed for ``app_id`` is
+skipped, so a retried step never duplicates rows. Each operation opens the
+table afresh (about 10 ms with a checkpoint) instead of sharing a
+``DeltaTable`` between threads, which keeps the store stateless and safe to
+use from several threads or processes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+from deltalake import Schema as DeltaSchema
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+
+from reflow.storage.schema import TRAJECTORY_SCHEMA, USAGE_SCHEMA, Trajectory, Usage, to_table
+
+TRAJECTORIES = "trajectories"
+USAGE = "usage"
+# Appends retried after losing a commit race (delta-rs already retries plain
+# append-vs-append conflicts internally; these are txn and metadata conflicts).
+COMMIT_ATTEMPTS = 5
+
+
+class StorageError(RuntimeError):
+    """A table cannot be opened, written or queried; the message names the path and the cause."""
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """What a table under the root must look like."""
+
+    name: str
+    schema: pa.Schema
+    partition_by: tuple[str, ...]
+
+
+TABLE_SPECS: dict[str, TableSpec] = {
+    TRAJECTORIES: TableSpec(TRAJECTORIES, TRAJECTORY_SCHEMA, ("policy_version",)),
+    USAGE: TableSpec(USAGE, USAGE_SCHEMA, ()),
+}
+
+# Rows come back in a fixed order so that seeded sampling over a read is
+# reproducible whatever the file layout (compaction reorders files).
+_READ_ORDER = [("rollout_step", "ascending"), ("trajectory_id", "ascending")]
+
+
+@runtime_checkable
+class TrajectoryStore(Protocol):
+    """Append-only store of trajectories and of their usage (the consumption log)."""
+
+    root: str
+
+    def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
+        """Append records; return the new table version, or None if skipped (already written or empty)."""
+        ...
+
+    def append_usage(self, rows: Sequence[Usage], *, app_id: str, txn_version: int) -> int | None:
+        """Append usage rows; return the new table version, or None if skipped."""
+        ...
+
+    def read_trajectories(self, *, run_id: str, rollout_step: int | None = None,
+                          ids: Sequence[str] | None = None) -> pa.Table:
+        """Trajectories of one run (optionally one rollout step or some ids), in TRAJECTORY_SCHEMA."""
+        ...
+
+    def query(self, sql: str) -> pa.Table:
+        """Run SQL over the tables ``trajectories`` and ``usage``."""
+        ...
+
+    def table_versions(self) -> dict[str, int]:
+        """Current version of each table; -1 for a table not created yet."""
+        ...
+
+    def compact(self) -> dict[str, object]:
+        """Merge small files, checkpoint and vacuum each table; return metrics per table."""
+        ...
+
+
+def _local_path(uri: str) -> Path | None:
+    """The local filesystem path of ``uri``, or None for an object-store URI."""
+    if "://" not in uri:
+        return Path(uri)
+    parsed = urlparse(uri)
+    return Path(parsed.path) if parsed.scheme == "file" else None
+
+
+def _schema_differences(found: DeltaSchema, expected: pa.Schema) -> list[str]:
+    """Human-readable differences between a table's schema and the expected one."""
+    want = {f.name: f for f in DeltaSchema.from_arrow(expected).fields}
+    have = {f.name: f for f in found.fields}
+    diffs = [f"missing column {name!r}" for name in want if name not in have]
+    diffs += [f"unexpected column {name!r}" for name in have if name not in want]
+    for name in want.keys() & have.keys():
+        if (want[name].type, want[name].nullable) != (have[name].type, have[name].nullable):
+            diffs.append(f"column {name!r} is {have[name].type} (nullable={have[name].nullable}), "
+                         f"expected {want[name].type} (nullable={want[name].nullable})")
+    if not diffs and [f.name for f in found.fields] != list(want):
+        diffs.append("columns are in a different order")
+    return diffs
+
+
+def _plain_arrow(reader: object) -> pa.Table:
+    """A DataFusion result (an Arrow stream) as a pyarrow table without view types.
+
+    DataFusion returns ``string_view``/``binary_view`` columns, which many
+    consumers (pandas, older polars) handle poorly; they are cast back.
+    """
+    table = pa.RecordBatchReader.from_stream(reader).read_all()
+    target = pa.schema([f.with_type(_plain_type(f.type)) for f in table.schema])
+    return table if target.equals(table.schema) else table.cast(target)
+
+
+def _plain_type(arrow_type: pa.DataType) -> pa.DataType:
+    """``arrow_type`` with view types replaced by their plain equivalents (recursively in lists)."""
+    if arrow_type == pa.string_view():
+        return pa.string()
+    if arrow_type == pa.binary_view():
+        return pa.binary()
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_list_view(arrow_type):
+        return pa.list_(arrow_type.value_field.with_type(_plain_type(arrow_type.value_type)))
+    return arrow_type
+
+
+def trajectory_filter(run_id: str, rollout_step: int | None, ids: Sequence[str] | None) -> pc.Expression:
+    """The row filter of ``read_trajectories`` as a pyarrow expression."""
+    expr = pc.field("run_id") == run_id
+    if rollout_step is not None:
+        expr &= pc.field("rollout_step") == rollout_step
+    if ids is not None:
+        expr &= pc.field("trajectory_id").isin(list(ids))
+    return expr
+
+
+class DeltaTrajectoryStore:
+    """``TrajectoryStore`` on Delta tables (local disk or object storage)."""
+
+    def __init__(self, root: str | os.PathLike[str], storage_options: dict[str, str] | None = None) -> None:
+        """Check ``root`` and any tables already under it; raise StorageError if unusable.
+
+        A local root is made absolute, so that processes with another working
+        directory (Ray workers) find the same tables. Nothing is written here.
+        """
+        root = os.fspath(root)
+        self.root = str(Path(root).absolute()) if "://" not in root else root.rstrip("/")
+        self.storage_options = storage_options
+        local = _local_path(self.root)
+        if local is not None and local.exists() and not local.is_dir():
+            raise StorageError(f"trajectory store root {self.root} is an existing file, not a directory")
+        for name in TABLE_SPECS:
+            self._open(name)
+
+    def table_uri(self, name: str) -> str:
+        """URI (or absolute path) of table ``name`` under the root."""
+        return f"{self.root}/{name}"
+
+    def _open(self, name: str) -> DeltaTable | None:
+        """The validated table ``name``, or None if it does not exist yet."""
+        uri = self.table_uri(name)
+        local = _local_path(uri)
+        if local is not None and not self._local_table_exists(local):
+            return None
+        try:
+            table = DeltaTable(uri, storage_options=self.storage_options)
+        except TableNotFoundError as exc:
+            if local is None:  # object stores have no directories: absent means not created
+                return None
+            raise StorageError(f"{uri} is not a Delta table: {exc}") from exc
+        except (DeltaError, OSError) as exc:
+            raise StorageError(f"cannot open Delta table {uri}: {exc}") from exc
+        self._validate(table, TABLE_SPECS[name], uri)
+        return table
+
+    @staticmethod
+    def _local_table_exists(path: Path) -> bool:
+        """Whether a local table directory exists; raise StorageError if it exists but is unusable.
+
+        An empty directory counts as absent (safe to create a table in). A
+        non-empty one without ``_delta_log`` is refused: a later vacuum would
+        delete every file Delta does not know about.
+        """
+        if not path.exists():
+            return False
+        if not path.is_dir():
+            raise StorageError(f"{path} exists but is a file, not a Delta table directory")
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise StorageError(f"{path} exists but is not readable (check its permissions)")
+        try:
+            entries = os.listdir(path)
+        except OSError as exc:
+            raise StorageError(f"{path} exists but cannot be listed: {exc}") from exc
+        if entries and "_delta_log" not in entries:
+            raise StorageError(f"{path} exists and holds files but is not a Delta table (no _delta_log); "
+                               "refusing to write into it: choose another store root")
+        return bool(entries)
+
+    @staticmethod
+    def _validate(table: DeltaTable, spec: TableSpec, uri: str) -> None:
+        """Raise StorageError if ``table`` is not a ``spec`` table (e.g. another project's table)."""
+        diffs = _schema_differences(table.schema(), spec.schema)
+        partitions = tuple(table.metadata().partition_columns)
+        if partitions != spec.partition_by:
+            diffs.append(f"partitioned by {list(partitions)}, expected {list(spec.partition_by)}")
+        if diffs:
+            raise StorageError(f"Delta table {uri} does not have the reflow {spec.name} schema "
+                               f"(it was left unchanged): " + "; ".join(diffs))
+
+    def _open_or_create(self, name: str) -> DeltaTable:
+        """Table ``name``, created empty with its schema if absent."""
+        table = self._open(name)
+        if table is not None:
+            return table
+        spec = TABLE_SPECS[name]
+        uri = self.table_uri(name)
+        try:
+            return DeltaTable.create(uri, spec.schema, mode="error", partition_by=list(spec.partition_by) or None,
+                                     name=spec.name, storage_options=self.storage_options)
+        except DeltaError as exc:
+            # Another writer created it between our check and create. (Two racing
+            # creates can also both succeed, as versions 0 and 1 with the same
+            # metadata; an append racing the second is retried by _append.)
+            table = self._open(name)
+            if table is None:
+                raise StorageError(f"cannot create Delta table {uri}: {exc}") from exc
+            return table
+
+    def _append(self, name: str, data: pa.Table, app_id: str, txn_version: int) -> int | None:
+        """Append ``data`` to ``name`` under transaction ``(app_id, txn_version)`` unless already done."""
+        if data.num_rows == 0:
+            return None
+        props = CommitProperties(app_transactions=[Transaction(app_id, txn_version)])
+        failure: CommitFailedError | None = None
+        for _ in range(COMMIT_ATTEMPTS):
+            table = self._open_or_create(name)
+            if _already_committed(table, app_id, txn_version):
+                return None
+            try:
+                # The DeltaTable carries storage_options; write_deltalake ignores new ones.
+                write_deltalake(table, data, mode="append", commit_properties=props)
+                return table.version()
+            except CommitFailedError as exc:
+                # A concurrent commit won: one with the same app id (then the
+                # re-check above skips) or a racing table creation; look again.
+                failure = exc
+            except DeltaError as exc:
+                raise StorageError(f"append to {self.table_uri(name)} failed: {exc}") from exc
+        raise StorageError(f"append to {self.table_uri(name)} failed after {COMMIT_ATTEMPTS} "
+                           f"attempts against concurrent writers: {failure}") from failure
+
+    def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
+        """Append trajectories; return the new table version, or None if skipped (already written or empty)."""
+        return self._append(TRAJECTORIES, to_table(records, TRAJECTORY_SCHEMA), app_id, txn_version)
+
+    def append_usage(self, rows: Sequence[Usage], *, app_id: str, txn_version: int) -> int | None:
+        """Append usage rows; return the new table version, or None if skipped (already written or empty)."""
+        return self._append(USAGE, to_table(rows, USAGE_SCHEMA), app_id, txn_version)
+
+    def read_trajectories(self, *, run_id: str, rollout_step: int | None = None,
+                          ids: Sequence[str] | None = None) -> pa.Table:
+        """Trajectories of ``run_id`` (optionally of one rollout step and/or some ids).
+
+        Returns a table in TRAJECTORY_SCHEMA, ordered by (rollout_step,
+        trajectory_id); empty if nothing was written yet. Filters are pushed
+        into the scan, so files whose statistics exclude the run are skipped.
+        """
+        table = self._open(TRAJECTORIES)
+        if table is None:
+            return TRAJECTORY_SCHEMA.empty_table()
+        try:
+            rows = table.to_pyarrow_dataset().to_table(filter=trajectory_filter(run_id, rollout_step, ids))
+        except (DeltaError, OSError, pa.ArrowException) as exc:
+            raise StorageError(f"reading {self.table_uri(TRAJECTORIES)} failed: {exc}") from exc
+        return rows.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA).sort_by(_READ_ORDER)
+
+    def query(self, sql: str) -> pa.Table:
+        """Run DataFusion SQL over ``trajectories`` and ``usage``; raise StorageError with the SQL engine's message."""
+        builder = QueryBuilder()
+        missing = []
+        for name in TABLE_SPECS:
+            table = self._open(name)
+            if table is None:
+                missing.append(name)
+            else:
+                builder.register(name, table)
+        try:
+            return _plain_arrow(builder.execute(sql))
+        except DeltaError as exc:
+            message = str(exc)
+            for name in missing:
+                if f"table 'datafusion.public.{name}' not found" in message:
+                    raise StorageError(f"table {name!r} does not exist yet under {self.root}: "
+                                       "no rows have been written to it") from exc
+            raise StorageError(f"query on {self.root} failed: {message}\nSQL: {sql}") from exc
+
+    def table_versions(self) -> dict[str, int]:
+        """Current version of each table; -1 for a table not created yet."""
+        versions = {}
+        for name in TABLE_SPECS:
+            table = self._open(name)
+            versions[name] = -1 if table is None else table.version()
+        return versions
+
+    def compact(self) -> dict[str, object]:
+        """Compact small files, write a checkpoint and vacuum each existing table.
+
+        Vacuum keeps the table's retention period (7 days by default), so
+        readers of recent versions and concurrent writers are never broken.
+        Returns ``{table: {files_added, files_removed, vacuumed_files, version}}``.
+        """
+        metrics: dict[str, object] = {}
+        for name in TABLE_SPECS:
+            table = self._open(name)
+            if table is None:
+                continue
+            try:
+                optimized = table.optimize.compact()
+                table.create_checkpoint()
+                vacuumed = table.vacuum(dry_run=False)
+                table.cleanup_metadata()
+            except DeltaError as exc:
+                raise StorageError(f"compacting {self.table_uri(name)} failed: {exc}") from exc
+            metrics[name] = {"files_added": optimized["numFilesAdded"],
+                             "files_removed": optimized["numFilesRemoved"],
+                             "vacuumed_files": len(vacuumed), "version": table.version()}
+        return metrics
+
+
+def _already_committed(table: DeltaTable, app_id: str, txn_version: int) -> bool:
+    """Whether ``table`` already holds a commit of ``app_id`` at ``txn_version`` or later."""
+    done = table.transaction_version(app_id)
+    return done is not None and done >= txn_version
+
+
+class InMemoryTrajectoryStore:
+    """``TrajectoryStore`` on in-process Arrow tables, for unit tests of other code.
+
+    Same idempotency and version numbering as the Delta store (creating a
+    table is version 0, its first append version 1). ``query`` is not
+    supported: DataFusion here only reads Delta tables; use a
+    ``DeltaTrajectoryStore`` on ``tmp_path`` for SQL.
+    """
+
+    def __init__(self, root: str = "memory://") -> None:
+        """An empty store; ``root`` is only a label."""
+        self.root = root
+        self._tables: dict[str, pa.Table] = {}
+        self._versions: dict[str, int] = {}
+        self._txns: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def _append(self, name: str, data: pa.Table, app_id: str, txn_version: int) -> int | None:
+        """Append ``data`` to ``name`` unless ``(app_id, txn_version)`` was already committed."""
+        if data.num_rows == 0:
+            return None
+        with self._lock:
+            done = self._txns.get((name, app_id))
+            if done is not None and done >= txn_version:
+                return None
+            current = self._tables.get(name, TABLE_SPECS[name].schema.empty_table())
+            self._tables[name] = pa.concat_tables([current, data])
+            self._versions[name] = self._versions.get(name, 0) + 1
+            self._txns[(name, app_id)] = txn_version
+            return self._versions[name]
+
+    def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
+        """Append trajectories; return the new version, or None if skipped (already written or empty)."""
+        return self._append(TRAJECTORIES, to_table(records, TRAJECTORY_SCHEMA), app_id, txn_version)
+
+    def append_usage(self, rows: Sequence[Usage], *, app_id: str, txn_version: int) -> int | None:
+        """Append usage rows; return the new version, or None if skipped (already written or empty)."""
+        return self._append(USAGE, to_table(rows, USAGE_SCHEMA), app_id, txn_version)
+
+    def read_trajectories(self, *, run_id: str, rollout_step: int | None = None,
+                          ids: Sequence[str] | None = None) -> pa.Table:
+        """Trajectories of ``run_id``, filtered and ordered as in the Delta store."""
+        with self._lock:
+            table = self._tables.get(TRAJECTORIES, TRAJECTORY_SCHEMA.empty_table())
+        return table.filter(trajectory_filter(run_id, rollout_step, ids)).sort_by(_READ_ORDER)
+
+    def usage(self) -> pa.Table:
+        """All usage rows (what tests use instead of SQL)."""
+        with self._lock:
+            return self._tables.get(USAGE, USAGE_SCHEMA.empty_table())
+
+    def query(self, sql: str) -> pa.Table:
+        """Not supported in memory; raises NotImplementedError."""
+        raise NotImplementedError("InMemoryTrajectoryStore does not run SQL (deltalake's DataFusion only reads "
+                                  "Delta tables); use DeltaTrajectoryStore(tmp_path) in tests that query")
+
+    def table_versions(self) -> dict[str, int]:
+        """Current version of each table; -1 for a table not created yet."""
+        with self._lock:
+            return {name: self._versions.get(name, -1) for name in TABLE_SPECS}
+
+    def compact(self) -> dict[str, object]:
+        """Merge each table's chunks; versions are unchanged. Returns an empty metrics dict per table."""
+        with self._lock:
+            self._tables = {name: table.combine_chunks() for name, table in self._tables.items()}
+            return {name: {} for name in self._tables}

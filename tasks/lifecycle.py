@@ -1,0 +1,123 @@
+"""Tasks that open and close a run: prepare (model, workers, tracker), track, finalize."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from reflow.infra import report
+from reflow.infra.config import ReflowConfig, flat_params
+from reflow.infra.run import (RunRecord, StepRecord, append_step, default_tracking_uri, read_steps, write_config,
+                              write_record)
+from reflow.infra.workers import Placement, actor, launch_workers, start_ray, stop_workers
+from reflow.policies.engines import EngineSettings, model_max_len
+from reflow.storage.tracker import Tracker, make_tracker
+from reflow.tasks.context import _tokenizer, context
+
+# One tracker per run, owned by the process that runs the flow (tasks run in it).
+_TRACKERS: dict[str, Tracker] = {}
+
+
+def resolve_model_dir(cfg: ReflowConfig, progress=print) -> str:
+    """``model.path`` or the (cached) tiny warm-started policy."""
+    if cfg.model.path:
+        return str(Path(cfg.model.path).resolve())
+    from reflow.policies.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model(cfg.model, cfg.env, cfg.run.seed, progress=progress).resolve())
+
+
+def _engine_settings(cfg: ReflowConfig, model_dir: str) -> EngineSettings:
+    tok = _tokenizer(model_dir)
+    return EngineSettings(model_dir=model_dir, dtype=cfg.model.dtype, temperature=cfg.rollout.temperature,
+                          eos_token_id=int(tok.eos_token_id), max_model_len=model_max_len(model_dir),
+                          max_concurrent_sequences=cfg.rollout.max_concurrent_sequences, seed=cfg.run.seed,
+                          kv_cache_gib=cfg.rollout.kv_cache_gib, enforce_eager=cfg.rollout.enforce_eager,
+                          threads=cfg.resources.torch_threads)
+
+
+@task(name="prepare", cache_policy=NO_CACHE)
+def prepare(config_json: str, run_dir: str, run_id: str) -> str:
+    """Create the run directory, build/load the model, start workers and the tracker."""
+    cfg = ReflowConfig.model_validate_json(config_json)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    write_config(run_dir, cfg)
+    model_dir = resolve_model_dir(cfg)
+    store_root = cfg.storage.root or str(Path(run_dir).resolve() / "tables")
+    namespace = f"reflow-{run_id}"
+    print(f"starting Ray and workers ({cfg.rollout.engine} engine, torch trainer)...", flush=True)
+    start_ray(cfg, namespace, verbose=os.environ.get("REFLOW_VERBOSE") == "1")
+    placement = launch_workers(cfg, namespace, model_dir, store_root, _engine_settings(cfg, model_dir))
+    tracking_uri = default_tracking_uri(cfg)
+    tracker = make_tracker(tracking_uri, cfg.tracking.experiment, Path(cfg.run.out_dir))
+    tags = {"reflow.mode": cfg.mode.kind, "reflow.run_dir": str(Path(run_dir).resolve()),
+            "reflow.python": platform.python_version()}
+    mlflow_run_id = tracker.start(run_id, flat_params(cfg), tags)
+    tracker.log_artifact(Path(run_dir) / "config.json", "config")
+    _TRACKERS[run_dir] = tracker
+    write_record(RunRecord(run_id=run_id, run_dir=run_dir, store_root=store_root, model_dir=model_dir,
+                           namespace=namespace, engines=placement.engines, trainer=placement.trainer,
+                           tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id))
+    return run_dir
+
+
+@task(name="track", cache_policy=NO_CACHE)
+def track(run_dir: str, record: StepRecord) -> None:
+    """Log one step to MLflow and ``steps.jsonl`` and print the progress line."""
+    ctx = context(run_dir)
+    _TRACKERS[run_dir].log_metrics(record.metrics, step=record.step)
+    append_step(run_dir, record)
+    print(report.progress_line(record, ctx.cfg.run.total_steps), flush=True)
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    run_dir: str
+    mlflow_run_id: str | None
+    tracking_ui: str
+    store_root: str
+    curves_png: str
+    final_model: str
+
+
+@task(name="finalize", cache_policy=NO_CACHE)
+def finalize(run_dir: str) -> RunOutcome:
+    """Final model, curves, table versions and summary: to disk, to MLflow, to stdout."""
+    ctx = context(run_dir)
+    tracker = _TRACKERS[run_dir]
+    final_model = ray.get(actor(ctx.record.trainer, ctx.record.namespace).save_hf.remote(
+        str(Path(run_dir) / "final_model")))
+    steps = read_steps(run_dir)
+    png = report.plot_curves(steps, Path(run_dir) / "curves.png", f"{ctx.record.run_id} ({ctx.cfg.mode.kind})")
+    versions = Path(run_dir) / "table_versions.json"
+    versions.write_text(json.dumps(ctx.store.table_versions(), indent=2))
+    for path, dest in ((final_model, "final_model"), (png, None), (versions, "delta"),
+                       (Path(run_dir) / "steps.jsonl", None)):
+        tracker.log_artifact(path, dest)
+    tracker.end("FINISHED")
+    outcome = RunOutcome(run_dir=run_dir, mlflow_run_id=ctx.record.mlflow_run_id, tracking_ui=tracker.ui_url(),
+                         store_root=ctx.record.store_root, curves_png=str(png), final_model=str(final_model))
+    print("\n" + report.summary_table(steps), flush=True)
+    return outcome
+
+
+def teardown(run_dir: str, failed: bool) -> None:
+    """Stop the run's actors and Ray; close the tracker as FAILED if the flow failed."""
+    tracker = _TRACKERS.pop(run_dir, None)
+    if tracker is not None and failed:
+        tracker.end("FAILED")
+    path = Path(run_dir) / "run.json"
+    if path.exists():
+        rec = RunRecord.model_validate_json(path.read_text())
+        stop_workers(Placement(namespace=rec.namespace, engines=rec.engines, trainer=rec.trainer))
+    elif ray.is_initialized():
+        ray.shutdown()
+    sys.stdout.flush()

@@ -1,0 +1,137 @@
+"""Rollout, scoring and evaluation tasks.
+
+``rollout`` leaves the generated samples in Ray's object store and returns a
+handle (an object reference plus counts); ``score`` turns them into scored
+``Trajectory`` records and appends them to the ``trajectories`` table with an
+application transaction ``(run_id:trajectories, step)``, so a retried step
+writes nothing twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from reflow.envs.base import Prompt
+from reflow.infra.workers import actor
+from reflow.policies.engines import GenRequest, GenResult
+from reflow.storage.schema import Trajectory
+from reflow.tasks.context import TaskContext, context
+
+
+@dataclass(frozen=True)
+class RolloutHandle:
+    """Where a round's samples are (Ray object store) and how long it took."""
+
+    step: int
+    samples: Any  # ray.ObjectRef[list[GenResult]]
+    num_requests: int
+    started_at: float  # run clock when the round began
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ScoreSummary:
+    step: int
+    delta_version: int | None  # None: already written by an earlier attempt
+    num_samples: int
+    reward_mean: float
+    accuracy: float
+    length_mean: float
+    length_p50: float
+    length_p99: float
+    generated_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EvalSummary:
+    step: int
+    accuracy: float
+    reward_mean: float
+    length_mean: float
+    seconds: float
+
+
+def _train_prompts(ctx: TaskContext, step: int) -> list[Prompt]:
+    per_step = ctx.cfg.rollout.prompts_per_step
+    return ctx.env.prompts("train", start=step * per_step, count=per_step)
+
+
+def _requests(ctx: TaskContext, prompts: list[Prompt], samples: int, tag: str) -> list[GenRequest]:
+    ids = ctx.tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
+    budget = ctx.cfg.rollout.max_response_tokens
+    return [GenRequest(f"{tag}/{p.prompt_id}/{k}", list(tok), budget)
+            for p, tok in zip(prompts, ids) for k in range(samples)]
+
+
+@task(name="rollout", cache_policy=NO_CACHE)
+def rollout(run_dir: str, step: int) -> RolloutHandle:
+    """Generate ``samples_per_prompt`` responses for each prompt of ``step``."""
+    ctx = context(run_dir)
+    start = ctx.clock.now()
+    requests = _requests(ctx, _train_prompts(ctx, step), ctx.cfg.rollout.samples_per_prompt, str(step))
+    ref = actor(ctx.record.engines[0], ctx.record.namespace).generate.remote(requests)
+    ray.wait([ref], fetch_local=False)
+    return RolloutHandle(step=step, samples=ref, num_requests=len(requests), started_at=start,
+                         seconds=ctx.clock.now() - start)
+
+
+def _record(ctx: TaskContext, step: int, prompt: Prompt, prompt_tokens: list[int], result: GenResult) -> Trajectory:
+    _, prompt_id, index = result.request_id.rsplit("/", 2)
+    text = ctx.tokenizer.decode(result.response_tokens, skip_special_tokens=True)
+    score = ctx.env.score(prompt, text)
+    n = len(result.response_tokens)
+    return Trajectory(
+        trajectory_id=f"{ctx.record.run_id}/{step}/{prompt_id}/{index}", run_id=ctx.record.run_id,
+        prompt_id=prompt_id, group_id=f"{ctx.record.run_id}/{step}/{prompt_id}", sample_index=int(index),
+        env=prompt.env, rollout_step=step, policy_version=result.version, prompt_tokens=prompt_tokens,
+        response_tokens=result.response_tokens, behaviour_logprobs=result.logprobs,
+        token_versions=[result.version] * n, loss_mask=[1] * n, reward=score.reward, correct=score.correct,
+        finish_reason=result.finish_reason, response_length=n)
+
+
+@task(name="score", cache_policy=NO_CACHE)
+def score(run_dir: str, handle: RolloutHandle) -> ScoreSummary:
+    """Reward every sample and append the scored trajectories to Delta."""
+    ctx = context(run_dir)
+    start = ctx.clock.now()
+    results: list[GenResult] = ray.get(handle.samples)
+    prompts = {p.prompt_id: p for p in _train_prompts(ctx, handle.step)}
+    prompt_tokens = dict(zip(prompts, ctx.tokenizer([p.text for p in prompts.values()],
+                                                    add_special_tokens=False)["input_ids"]))
+    records = []
+    for res in results:
+        pid = res.request_id.rsplit("/", 2)[1]
+        records.append(_record(ctx, handle.step, prompts[pid], list(prompt_tokens[pid]), res))
+    version = ctx.store.append_trajectories(records, app_id=f"{ctx.record.run_id}:trajectories",
+                                            txn_version=handle.step)
+    lengths = np.array([r.response_length for r in records], dtype=float)
+    return ScoreSummary(step=handle.step, delta_version=version, num_samples=len(records),
+                        reward_mean=float(np.mean([r.reward for r in records])),
+                        accuracy=float(np.mean([r.correct for r in records])),
+                        length_mean=float(lengths.mean()), length_p50=float(np.percentile(lengths, 50)),
+                        length_p99=float(np.percentile(lengths, 99)), generated_tokens=int(lengths.sum()),
+                        seconds=ctx.clock.now() - start)
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate(run_dir: str, step: int) -> EvalSummary:
+    """Accuracy on the held-out prompts, sampled like training (not stored)."""
+    ctx = context(run_dir)
+    start = ctx.clock.now()
+    prompts = ctx.env.prompts("eval", start=0, count=ctx.cfg.env.eval_prompts)
+    requests = _requests(ctx, prompts, ctx.cfg.eval.samples_per_prompt, f"eval{step}")
+    results: list[GenResult] = ray.get(actor(ctx.record.engines[0], ctx.record.namespace).generate.remote(requests))
+    by_id = {p.prompt_id: p for p in prompts}
+    scores = [ctx.env.score(by_id[r.request_id.rsplit("/", 2)[1]],
+                            ctx.tokenizer.decode(r.response_tokens, skip_special_tokens=True)) for r in results]
+    return EvalSummary(step=step, accuracy=float(np.mean([s.correct for s in scores])),
+                       reward_mean=float(np.mean([s.reward for s in scores])),
+                       length_mean=float(np.mean([len(r.response_tokens) for r in results])),
+                       seconds=ctx.clock.now() - start)

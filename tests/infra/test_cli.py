@@ -1,0 +1,70 @@
+"""Bad input exits with code 2, names the problem, and creates nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _reflow(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "reflow.infra.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env={**os.environ})
+
+
+def test_help_is_fast_and_lists_commands(tmp_path: Path) -> None:
+    proc = _reflow("--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "run" in proc.stdout and "model" in proc.stdout
+    check = subprocess.run([sys.executable, "-c", "import sys, reflow.infra.cli; "
+                            "print(sorted(m for m in ('torch','ray','vllm','prefect') if m in sys.modules))"],
+                           capture_output=True, text=True)
+    assert check.stdout.strip() == "[]"  # nothing heavy imported to parse arguments
+
+
+def test_bad_override_exits_2_and_names_field(tmp_path: Path) -> None:
+    proc = _reflow("run", "--set", "rollout.samples_per_prompt=0", "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "rollout.samples_per_prompt" in proc.stderr and "greater than or equal to 1" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_field_in_file_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rollout]\nprompts_per_stepp = 4\n")
+    proc = _reflow("run", "--config", str(bad), "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2 and "rollout.prompts_per_stepp" in proc.stderr and "unknown field" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_invalid_toml_and_missing_file_exit_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\n")
+    assert _reflow("run", "--config", str(bad), cwd=tmp_path).returncode == 2
+    proc = _reflow("run", "--config", str(tmp_path / "nope.toml"), cwd=tmp_path)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_missing_model_path_exits_2(tmp_path: Path) -> None:
+    proc = _reflow("run", "--set", f'model.path="{tmp_path / "no-model"}"', "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2 and "model.path" in proc.stderr and "does not exist" in proc.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = _reflow("run", "--set", f'model.path="{empty}"', "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2 and "no config.json" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unreadable_table_path_exits_2(tmp_path: Path) -> None:
+    root = tmp_path / "tables"
+    (root / "trajectories").mkdir(parents=True)
+    (root / "trajectories" / "junk.parquet").write_text("not a delta table")
+    proc = _reflow("run", "--set", f'storage.root="{root}"', "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2 and "storage.root" in proc.stderr and "trajectories" in proc.stderr
+    assert (root / "trajectories" / "junk.parquet").read_text() == "not a delta table"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    proc = _reflow("run", "--set", f'storage.root="{afile}"', cwd=tmp_path)
+    assert proc.returncode == 2 and "storage.root" in proc.stderr

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reflow.infra.config import ConfigError, ReflowConfig, config_to_json, flat_params, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_and_shipped_configs_validate() -> None:
+    assert load_config().mode.kind == "sync"
+    for path in sorted((REPO / "configs").glob("*.toml")):
+        load_config(path)
+
+
+def test_overrides_parse_toml_literals_and_bare_strings() -> None:
+    cfg = load_config(None, ["rollout.prompts_per_step=7", "train.learning_rate=3e-4", "rollout.enforce_eager=true",
+                             "run.out_dir=some/dir", 'run.name="x1"'])
+    assert (cfg.rollout.prompts_per_step, cfg.train.learning_rate, cfg.rollout.enforce_eager) == (7, 3e-4, True)
+    assert (cfg.run.out_dir, cfg.run.name) == ("some/dir", "x1")
+
+
+def test_config_is_frozen_and_round_trips_json() -> None:
+    cfg = load_config()
+    with pytest.raises(Exception):
+        cfg.run.seed = 3  # type: ignore[misc]
+    assert ReflowConfig.model_validate_json(config_to_json(cfg)) == cfg
+    assert flat_params(cfg)["rollout.samples_per_prompt"] == str(cfg.rollout.samples_per_prompt)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("rollout.prompts_per_step=-1", "rollout.prompts_per_step"),
+    ("rollout.engine=sglang", "rollout.engine"),
+    ("env.min_terms=30", "env.min_terms must be <= env.max_terms"),
+    ("model.tiny.num_heads=3", "hidden_size must be a multiple"),
+    ("rollout.max_response_tokens=100000", "max_position_embeddings"),
+    ("run=3", "run"),
+    ("nosuch=1", "unknown field"),
+    ("rollout.prompts_per_step", "expected key.path=value"),
+])
+def test_invalid_values_name_the_field(override: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert needle in str(err.value)
+
+
+def test_every_field_is_documented() -> None:
+    def walk(model: type) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, ReflowConfig.__mro__[1]):
+                walk(ann)
+            else:
+                assert field.description, f"{model.__name__}.{name} has no description"
+
+    walk(ReflowConfig)
+    json.loads(config_to_json(load_config()))
