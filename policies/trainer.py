@@ -127,7 +127,8 @@ class Trainer:
         """One optimiser step on ``samples`` (gradients accumulated over micro-batches)."""
         start = time.perf_counter()
         self.model.train()
-        total_tokens = float(sum(sum(s.loss_mask) for s in samples)) or 1.0
+        loss_tokens = int(sum(sum(s.loss_mask) for s in samples))
+        total_tokens = float(max(loss_tokens, 1))
         normaliser = total_tokens if self.cfg.loss_agg == "token_mean" else float(len(samples))
         sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "ratio": 0.0}
         groups = pack_micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in samples],
@@ -143,7 +144,7 @@ class Trainer:
         return StepMetrics(version=self.version, loss=sums["loss"], kl=sums["kl"] / total_tokens,
                            entropy=sums["entropy"] / total_tokens, grad_norm=float(grad_norm),
                            clip_fraction=sums["clip"] / total_tokens, ratio_mean=sums["ratio"] / total_tokens,
-                           trained_tokens=int(total_tokens), micro_batches=len(groups),
+                           trained_tokens=loss_tokens, micro_batches=len(groups),
                            seconds=time.perf_counter() - start)
 
     def _micro_step(self, samples: list[TrainSample], normaliser: float) -> dict[str, float]:

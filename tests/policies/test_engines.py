@@ -1,0 +1,98 @@
+"""Engines: behaviour log-probs agree with the trainer's, weights update in place."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from reflow.infra.config import TrainConfig
+from reflow.policies.engines import EngineSettings, GenRequest, TransformersEngine, generate_all
+from reflow.policies.tokenizer import EOS_ID
+from reflow.policies.trainer import TrainSample, Trainer
+
+
+def _settings(model_dir: Path) -> EngineSettings:
+    return EngineSettings(model_dir=str(model_dir), dtype="float32", temperature=1.0, eos_token_id=EOS_ID,
+                          max_model_len=512, max_concurrent_sequences=64, seed=0)
+
+
+def _trainer_logprobs(model_dir: Path, prompt: list[int], response: list[int],
+                      state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    trainer = Trainer(str(model_dir), TrainConfig(), seed=0)
+    if state is not None:
+        trainer.model.load_state_dict(state)
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
+
+
+def test_transformers_engine_logprobs_match_trainer(random_model_dir: Path) -> None:
+    engine = TransformersEngine(_settings(random_model_dir))
+    reqs = [GenRequest(f"r{i}", [10 + i, 11, 12], max_tokens=12) for i in range(6)]
+    results = generate_all(engine, reqs)
+    assert sorted(r.request_id for r in results) == sorted(r.request_id for r in reqs)
+    for req, res in zip(reqs, sorted(results, key=lambda r: r.request_id)):
+        assert len(res.logprobs) == len(res.response_tokens) <= 12
+        assert res.finish_reason == ("stop" if res.response_tokens[-1] == EOS_ID else "length")
+        expected = _trainer_logprobs(random_model_dir, req.prompt_tokens, res.response_tokens)
+        assert torch.allclose(torch.tensor(res.logprobs), expected, atol=1e-4)
+
+
+def test_transformers_engine_update_weights_in_place(random_model_dir: Path) -> None:
+    engine = TransformersEngine(_settings(random_model_dir))
+    zeros = {k: torch.zeros_like(v) for k, v in engine.model.state_dict().items()}
+    engine.update_weights(zeros, version=7)
+    (res,) = generate_all(engine, [GenRequest("a", [5, 6], max_tokens=4)])
+    assert res.version == 7
+    assert torch.allclose(torch.tensor(res.logprobs), torch.full((len(res.logprobs),), -torch.log(torch.tensor(128.0))))
+
+
+VLLM_SCRIPT = textwrap.dedent('''
+    import json, sys, torch
+    from reflow.policies.engines import EngineSettings, GenRequest, VLLMEngine, generate_all
+    def main():
+        model_dir = sys.argv[1]
+        s = EngineSettings(model_dir=model_dir, dtype="float32", temperature=1.0, eos_token_id=2,
+                           max_model_len=512, max_concurrent_sequences=64, seed=0)
+        eng = VLLMEngine(s)
+        reqs = [GenRequest(f"r{i}", [10 + i, 11, 12], max_tokens=12) for i in range(6)]
+        first = generate_all(eng, reqs)
+        from transformers import AutoModelForCausalLM
+        state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+        state = {k: v * 0.5 for k, v in state.items()}
+        torch.save(state, sys.argv[2] + ".pt")
+        eng.update_weights(state, version=3)
+        second = generate_all(eng, reqs)
+        json.dump({"first": [r.__dict__ for r in first], "second": [r.__dict__ for r in second]},
+                  open(sys.argv[2], "w"))
+    if __name__ == "__main__":
+        main()
+''')
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_engine_logprobs_match_trainer_before_and_after_update(random_model_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "vllm_check.py"
+    script.write_text(VLLM_SCRIPT)
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(script), str(random_model_dir), str(out)], capture_output=True,
+                          text=True, timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1", **__import__("os").environ})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+
+    data = json.loads(out.read_text())
+    state = torch.load(str(out) + ".pt")
+    for phase, weights, version in (("first", None, 0), ("second", state, 3)):
+        for res in data[phase]:
+            assert res["version"] == version
+            assert len(res["logprobs"]) == len(res["response_tokens"]) >= 1
+            prompt = [10 + int(res["request_id"][1:]), 11, 12]
+            expected = _trainer_logprobs(random_model_dir, prompt, res["response_tokens"], weights)
+            assert torch.allclose(torch.tensor(res["logprobs"]), expected, atol=2e-3), (phase, res["request_id"])
