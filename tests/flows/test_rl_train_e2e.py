@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(cwd / "prefect")}
     return subprocess.run([sys.executable, "-m", "reflow.infra.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -68,6 +69,15 @@ def test_smoke_run_end_to_end(tmp_path: Path) -> None:
     top = {a.path for a in client.list_artifacts(run_id)}
     assert {"config", "final_model", "delta", "curves.png"} <= top
 
+    # Prefect: the flow run completed and every stage appears as task runs
+    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
+        flows = db.execute("SELECT name, state_type FROM flow_run").fetchall()
+        tasks = [name.rsplit("-", 1)[0] for (name,) in db.execute("SELECT name FROM task_run")]
+    assert [state for _, state in flows] == ["COMPLETED"]
+    for stage, count in (("rollout", 3), ("score", 3), ("update", 3), ("sync_weights", 3), ("checkpoint", 2),
+                         ("prepare", 1), ("finalize", 1)):
+        assert tasks.count(stage) == count, (stage, sorted(set(tasks)))
+
     # outputs on disk: curves, a loadable final model, checkpoints
     assert (run_dir / "curves.png").stat().st_size > 1000
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,3 +85,18 @@ def test_smoke_run_end_to_end(tmp_path: Path) -> None:
     AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
     AutoTokenizer.from_pretrained(run_dir / "final_model")
     assert (run_dir / "checkpoints/step-000002/trainer.pt").is_file()
+
+
+@pytest.mark.slow
+def test_transformers_engine_run_end_to_end(tmp_path: Path) -> None:
+    """The second backend (for machines without vLLM) drives the same flow."""
+    out = tmp_path / "runs"
+    proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(out),
+                 "--set", f'model.cache_dir="{tmp_path / "models"}"', "--set", 'rollout.engine="transformers"',
+                 "--set", "run.total_steps=2"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
+    rows = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table()
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert rows.num_rows == 2 * cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["samples_per_prompt"]
+    assert sorted(set(rows["policy_version"].to_pylist())) == [0, 1]
