@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
     init = model_sub.add_parser("init", help="build (or find cached) the tiny warm-started default policy")
     _add_config_args(init)
+    bench = sub.add_parser("bench-sampler", help="time the replay-buffer sampling query on a synthetic table")
+    bench.add_argument("--rows", type=int, default=1_000_000, help="trajectory rows (default 1,000,000)")
+    bench.add_argument("--root", default=".cache/reflow/bench-sampler", help="where the synthetic tables live "
+                       "(reused if present)")
+    bench.add_argument("--queries", type=int, default=50, help="timed selections")
+    bench.add_argument("--rebuild", action="store_true", help="rebuild the tables under --root")
+    bench.add_argument("--out", metavar="DIR", help="also write DIR/bench_sampler.json")
     show = sub.add_parser("config", help="print the resolved config as JSON")
     _add_config_args(show)
     return parser
@@ -114,6 +121,21 @@ def _cmd_model_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_sampler(args: argparse.Namespace) -> int:
+    if args.rows < 1000 or args.queries < 1:
+        raise InputError("--rows must be >= 1000 and --queries >= 1")
+    from reflow.storage.bench import bench_sampler
+
+    print(f"building/reusing {args.rows:,} trajectory rows under {args.root} ...", flush=True)
+    figures = bench_sampler(args.rows, args.root, queries=args.queries, rebuild=args.rebuild)
+    text = json.dumps(figures, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_sampler.json").write_text(text)
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from reflow.infra.config import config_to_json
 
@@ -124,7 +146,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``reflow`` script."""
     args = build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "config": _cmd_config}
+    handlers = {"run": _cmd_run, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler}
     handler = _cmd_model_init if args.command == "model" else handlers[args.command]
     try:
         return handler(args)
