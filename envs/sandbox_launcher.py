@@ -7,7 +7,7 @@ in a new session. It runs with the caller's privileges and:
    directly, otherwise inside a new user namespace where the kernel allows
    one). In the mount namespace every mount is made read-only and nosuid,
    ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run`` are hidden under empty
-   root-owned tmpfs mounts, the working directory is a fresh size-limited tmpfs
+   read-only tmpfs mounts, the working directory is a fresh size-limited tmpfs
    at ``/tmp/work`` owned by the sandbox uid, the interpreter prefix is bound
    read-only at ``/tmp/python`` (so it is reachable even when its real path is
    not, e.g. under ``/root``), and ``/proc`` is remounted with ``hidepid``;
@@ -101,15 +101,17 @@ def _build_filesystem(cfg: dict, prefix: str, files: dict[str, bytes]) -> list[s
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
     prefix_fd = os.open(prefix, os.O_PATH | os.O_DIRECTORY)
     _mount_setattr("/", True, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
-    for path in HIDDEN_DIRS:
-        if os.path.isdir(path) and not os.path.islink(path):
-            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    hidden = [path for path in HIDDEN_DIRS if os.path.isdir(path) and not os.path.islink(path)]
+    for path in hidden:
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     os.mkdir(SANDBOX_CWD, 0o755)
     os.mkdir(SANDBOX_PYTHON, 0o755)
     _mount("tmpfs", SANDBOX_CWD, "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={cfg['max_disk_mb']}m,mode=700,uid={cfg['uid']},gid={cfg['uid']}")
     _mount(f"/proc/self/fd/{prefix_fd}", SANDBOX_PYTHON, None, MS_BIND | MS_REC, None)
     os.close(prefix_fd)
+    for path in hidden:  # read-only also where "root" is the caller's uid (user namespace)
+        _mount_setattr(path, False, MOUNT_ATTR_RDONLY, 0)
     for name, data in files.items():
         path = os.path.join(SANDBOX_CWD, name)
         with open(path, "wb") as f:

@@ -109,7 +109,9 @@ class TrainConfig(_Section):
 
 
 class ModeConfig(_Section):
-    kind: Literal["sync"] = Field("sync", description="Orchestration mode.")
+    kind: Literal["sync", "one_step_off"] = Field(
+        "sync", description="Orchestration mode: 'sync' generates the whole batch, then trains (verl's default); "
+                            "'one_step_off' generates batch k+1 while training on batch k (staleness 1).")
 
 
 class ResourcesConfig(_Section):

@@ -33,10 +33,15 @@ class EngineWorker:
         torch.set_num_threads(settings.threads)
         self.engine = make_engine(kind, settings, version)
 
-    def generate(self, requests: Sequence[Any]) -> list[Any]:
-        from reflow.policies.engines import generate_all
+    def generate(self, requests: Sequence[Any]) -> Any:
+        """All ``requests`` to completion, as a ``GenBatch`` (results + engine seconds)."""
+        import time
 
-        return generate_all(self.engine, requests)
+        from reflow.policies.engines import GenBatch, generate_all
+
+        start = time.perf_counter()  # engine-side busy time, reported to the control plane
+        results = generate_all(self.engine, requests)
+        return GenBatch(results=results, seconds=time.perf_counter() - start)
 
     def update_weights(self, state: dict[str, Any], version: int) -> int:
         self.engine.update_weights(state, version)

@@ -61,6 +61,14 @@ class Engine(Protocol):
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class GenBatch:
+    """The results of one ``generate_all`` call and how long the engine spent on it."""
+
+    results: list[GenResult]
+    seconds: float
+
+
 def generate_all(engine: Engine, requests: Sequence[GenRequest]) -> list[GenResult]:
     """Submit ``requests`` and collect until every one has finished."""
     engine.submit(requests)

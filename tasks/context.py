@@ -23,6 +23,24 @@ class TaskContext:
     clock: Clock
 
 
+# Per-process run clock marks: when the first round was submitted, when the last step was recorded.
+_ORIGIN: dict[str, float] = {}
+_LAST_STEP_END: dict[str, float] = {}
+
+
+def mark_origin(run_dir: str, now: float) -> None:
+    """Start the run's training clock (first call wins)."""
+    _ORIGIN.setdefault(run_dir, now)
+
+
+def step_clock(run_dir: str, now: float) -> tuple[float, float]:
+    """(seconds since the training clock started, seconds since the previous step was recorded)."""
+    origin = _ORIGIN.setdefault(run_dir, now)
+    previous = _LAST_STEP_END.get(run_dir, origin)
+    _LAST_STEP_END[run_dir] = now
+    return now - origin, now - previous
+
+
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model_dir: str) -> Any:
     from transformers import AutoTokenizer

@@ -98,7 +98,10 @@ def finalize(run_dir: str) -> RunOutcome:
     steps = read_steps(run_dir)
     png = report.plot_curves(steps, Path(run_dir) / "curves.png", f"{ctx.record.run_id} ({ctx.cfg.mode.kind})")
     versions = Path(run_dir) / "table_versions.json"
-    versions.write_text(json.dumps(ctx.store.table_versions(), indent=2))
+    per_step = [{"step": r.step, "trajectories": int(r.metrics.get("trajectories_delta_version", -1)),
+                 "usage": int(r.metrics.get("usage_delta_version", -1))} for r in steps]
+    versions.write_text(json.dumps({"store_root": ctx.record.store_root, "final": ctx.store.table_versions(),
+                                    "written_per_step": per_step}, indent=2))
     for path, dest in ((final_model, "final_model"), (png, None), (versions, "delta"),
                        (Path(run_dir) / "steps.jsonl", None)):
         tracker.log_artifact(path, dest)

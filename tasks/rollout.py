@@ -19,20 +19,19 @@ from prefect.cache_policies import NO_CACHE
 
 from reflow.envs.base import Prompt
 from reflow.infra.workers import actor
-from reflow.policies.engines import GenRequest, GenResult
+from reflow.policies.engines import GenBatch, GenRequest, GenResult
 from reflow.storage.schema import Trajectory
-from reflow.tasks.context import TaskContext, context
+from reflow.tasks.context import TaskContext, context, mark_origin
 
 
 @dataclass(frozen=True)
 class RolloutHandle:
-    """Where a round's samples are (Ray object store) and how long it took."""
+    """Where a round's samples will be (a Ray object reference to a ``GenBatch``)."""
 
     step: int
-    samples: Any  # ray.ObjectRef[list[GenResult]]
+    samples: Any  # ray.ObjectRef[GenBatch]
     num_requests: int
-    started_at: float  # run clock when the round began
-    seconds: float
+    submitted_at: float  # run clock when the round was submitted
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,7 @@ class ScoreSummary:
     length_p50: float
     length_p99: float
     generated_tokens: int
+    generation_seconds: float  # engine time spent on this round
     seconds: float
 
 
@@ -72,14 +72,18 @@ def _requests(ctx: TaskContext, prompts: list[Prompt], samples: int, tag: str) -
 
 @task(name="rollout", cache_policy=NO_CACHE)
 def rollout(run_dir: str, step: int) -> RolloutHandle:
-    """Generate ``samples_per_prompt`` responses for each prompt of ``step``."""
+    """Submit ``samples_per_prompt`` responses for each prompt of ``step``; returns at once.
+
+    The engine actor generates in the background (with the weights it holds
+    when it starts); ``score`` waits for the result. Calls queued on the
+    actor (a weight sync) run after the round, in order.
+    """
     ctx = context(run_dir)
-    start = ctx.clock.now()
     requests = _requests(ctx, _train_prompts(ctx, step), ctx.cfg.rollout.samples_per_prompt, str(step))
+    now = ctx.clock.now()
+    mark_origin(run_dir, now)
     ref = actor(ctx.record.engines[0], ctx.record.namespace).generate.remote(requests)
-    ray.wait([ref], fetch_local=False)
-    return RolloutHandle(step=step, samples=ref, num_requests=len(requests), started_at=start,
-                         seconds=ctx.clock.now() - start)
+    return RolloutHandle(step=step, samples=ref, num_requests=len(requests), submitted_at=now)
 
 
 def _record(ctx: TaskContext, step: int, prompt: Prompt, prompt_tokens: list[int], result: GenResult) -> Trajectory:
@@ -100,8 +104,9 @@ def _record(ctx: TaskContext, step: int, prompt: Prompt, prompt_tokens: list[int
 def score(run_dir: str, handle: RolloutHandle) -> ScoreSummary:
     """Reward every sample and append the scored trajectories to Delta."""
     ctx = context(run_dir)
+    batch: GenBatch = ray.get(handle.samples)
     start = ctx.clock.now()
-    results: list[GenResult] = ray.get(handle.samples)
+    results = batch.results
     prompts = {p.prompt_id: p for p in _train_prompts(ctx, handle.step)}
     prompt_tokens = dict(zip(prompts, ctx.tokenizer([p.text for p in prompts.values()],
                                                     add_special_tokens=False)["input_ids"]))
@@ -117,7 +122,7 @@ def score(run_dir: str, handle: RolloutHandle) -> ScoreSummary:
                         accuracy=float(np.mean([r.correct for r in records])),
                         length_mean=float(lengths.mean()), length_p50=float(np.percentile(lengths, 50)),
                         length_p99=float(np.percentile(lengths, 99)), generated_tokens=int(lengths.sum()),
-                        seconds=ctx.clock.now() - start)
+                        generation_seconds=batch.seconds, seconds=ctx.clock.now() - start)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
@@ -127,7 +132,8 @@ def evaluate(run_dir: str, step: int) -> EvalSummary:
     start = ctx.clock.now()
     prompts = ctx.env.prompts("eval", start=0, count=ctx.cfg.env.eval_prompts)
     requests = _requests(ctx, prompts, ctx.cfg.eval.samples_per_prompt, f"eval{step}")
-    results: list[GenResult] = ray.get(actor(ctx.record.engines[0], ctx.record.namespace).generate.remote(requests))
+    batch: GenBatch = ray.get(actor(ctx.record.engines[0], ctx.record.namespace).generate.remote(requests))
+    results = batch.results
     by_id = {p.prompt_id: p for p in prompts}
     scores = [ctx.env.score(by_id[r.request_id.rsplit("/", 2)[1]],
                             ctx.tokenizer.decode(r.response_tokens, skip_special_tokens=True)) for r in results]

@@ -34,6 +34,9 @@ class UpdateSummary:
     ratio_mean: float
     trained_tokens: int
     trainer_seconds: float
+    usage_delta_version: int | None  # None: already written by an earlier attempt
+    staleness_mean: float  # trainer version minus generating version, over the batch
+    staleness_max: int
     seconds: float
 
 
@@ -55,11 +58,14 @@ def update(run_dir: str, step: int) -> UpdateSummary:
     usage = [Usage(run_id=ctx.record.run_id, trajectory_id=tid, trainer_step=step, trainer_version=trainer_version,
                    loss_weight=w, staleness=trainer_version - v)
              for tid, w, v in zip(batch.trajectory_ids, batch.loss_weights, batch.policy_versions)]
-    ctx.store.append_usage(usage, app_id=f"{ctx.record.run_id}:usage", txn_version=step)
+    usage_version = ctx.store.append_usage(usage, app_id=f"{ctx.record.run_id}:usage", txn_version=step)
     return UpdateSummary(step=step, version=metrics.version, num_samples=len(usage), loss=metrics.loss,
                          kl=metrics.kl, entropy=metrics.entropy, grad_norm=metrics.grad_norm,
                          clip_fraction=metrics.clip_fraction, ratio_mean=metrics.ratio_mean,
                          trained_tokens=metrics.trained_tokens, trainer_seconds=metrics.seconds,
+                         usage_delta_version=usage_version,
+                         staleness_mean=sum(u.staleness for u in usage) / max(len(usage), 1),
+                         staleness_max=max((u.staleness for u in usage), default=0),
                          seconds=ctx.clock.now() - start)
 
 

@@ -88,15 +88,20 @@ def test_smoke_run_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_transformers_engine_run_end_to_end(tmp_path: Path) -> None:
-    """The second backend (for machines without vLLM) drives the same flow."""
+def test_transformers_engine_one_step_off_end_to_end(tmp_path: Path) -> None:
+    """The second backend (for machines without vLLM) drives the same flow, here overlapped one step."""
     out = tmp_path / "runs"
     proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(out),
                  "--set", f'model.cache_dir="{tmp_path / "models"}"', "--set", 'rollout.engine="transformers"',
-                 "--set", "run.total_steps=2"], cwd=tmp_path)
+                 "--set", "run.total_steps=3", "--set", 'mode.kind="one_step_off"'], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
     rows = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table()
     cfg = json.loads((run_dir / "config.json").read_text())
-    assert rows.num_rows == 2 * cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["samples_per_prompt"]
-    assert sorted(set(rows["policy_version"].to_pylist())) == [0, 1]
+    assert rows.num_rows == 3 * cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["samples_per_prompt"]
+    # batch k+1 is generated while batch k trains: rollout steps 0, 1, 2 come from versions 0, 0, 1
+    by_step = dict(zip(rows["rollout_step"].to_pylist(), rows["policy_version"].to_pylist()))
+    assert by_step == {0: 0, 1: 0, 2: 1}
+    usage = DeltaTable(str(run_dir / "tables/usage")).to_pyarrow_dataset().to_table()
+    staleness = dict(zip(usage["trainer_step"].to_pylist(), usage["staleness"].to_pylist()))
+    assert staleness == {0: 0, 1: 1, 2: 1}
