@@ -20,37 +20,47 @@ Policy (the test table in ``tests/envs/test_math_verify.py`` pins each case):
 - intervals keep their brackets: ``[1,2)`` is not ``(1,2]``;
 - no answer, an empty answer or one longer than ``MAX_ANSWER_CHARS`` is wrong.
 
-Time: one check takes milliseconds; pathological answers (``9^{9^{9^9}}``,
-``(10^9)!``) are cut off after ``timeout_seconds`` and judged unequal.
-math-verify's own timeouts use ``signal.alarm``, which only works in the main
-thread (it raises ``ValueError`` elsewhere, e.g. in Prefect's worker threads)
-and would clobber a caller's SIGALRM. They are disabled here; the deadline is
-enforced by a watchdog thread that raises an exception in the checking thread
-(``PyThreadState_SetAsyncExc``), so it works in any thread. Like a signal, it
-takes effect between bytecodes: a single long C call (one huge integer power)
-finishes before the check is abandoned.
+Time: one check takes milliseconds. math-verify's own timeouts use
+``signal.alarm``, which only works in the main thread (elsewhere, e.g. in
+Prefect's worker threads, it raises ``ValueError``) and would clobber a
+caller's SIGALRM; they are disabled here. Instead, in any thread:
+
+- a check running longer than ``timeout_seconds`` is abandoned (judged
+  unequal) by a watchdog thread that raises an exception in the checking
+  thread (``PyThreadState_SetAsyncExc``). That takes effect between bytecodes,
+  so it cannot stop one long C call;
+- the long C calls that answers can trigger are huge exact integers
+  (``9^{9^{9^9}}``, ``(10^9)!``, ``2^{2^{30}}``): parsed answers whose exact
+  value could exceed ``MAX_EXACT_BITS`` are judged unequal without evaluating
+  them (``_exact_bits``), unless the two strings are identical.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import re
 import threading
 from typing import Callable, TypeVar
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from sympy import Basic, MatrixBase
 
 from reflow.envs.base import Score
 
 MAX_ANSWER_CHARS = 1000
-DEFAULT_TIMEOUT_SECONDS = 1.0
+MAX_EXACT_BITS = 2**20  # exact numbers beyond ~315,000 digits are not evaluated (judged unequal)
+DEFAULT_TIMEOUT_SECONDS = 2.0  # legitimate checks take < 0.3 s even on a busy 2-core machine
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 # A thousands separator between digit groups: "1\,000", "1{,}000", "1\!000", "1~000", "1 000".
 _THOUSANDS_SEPARATOR = re.compile(r"(?<=\d)(?:\\,|\{,\}|\\!|\\ |~| )(?=\d{3}(?!\d))")
 _ANSWER_LINE = re.compile(r"^\s*(?:final\s+)?answer\s*(?:is)?\s*:\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 _EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
 _T = TypeVar("_T")
+_FAST_GROWING = frozenset({"factorial", "factorial2", "subfactorial", "binomial", "RisingFactorial",
+                           "FallingFactorial", "gamma", "fibonacci", "lucas", "catalan", "bell",
+                           "primorial", "multinomial_coefficients"})
 
 
 class _DisabledTimeoutWarning(logging.Filter):
@@ -136,7 +146,40 @@ def answers_equal(predicted: str, truth: str, timeout_seconds: float = DEFAULT_T
 def _sympy_equal(predicted: str, truth: str) -> bool:
     gold = parse(f"${truth}$", extraction_config=_EXTRACTION, parsing_timeout=None)
     target = parse(f"${predicted}$", extraction_config=_EXTRACTION, parsing_timeout=None)
-    return bool(gold and target and verify(gold, target, timeout_seconds=None))
+    if not gold or not target or max(map(_exact_bits, [*gold, *target])) > MAX_EXACT_BITS:
+        return False
+    return bool(verify(gold, target, timeout_seconds=None))
+
+
+def _exact_bits(expr: object) -> float:
+    """Upper bound on the bits of an exact number that evaluating ``expr`` can produce.
+
+    Huge integer arithmetic (``9^{9^{9^9}}``, ``(10^9)!``) runs inside single C
+    calls that the deadline cannot interrupt, so such answers are refused
+    before evaluation. Symbols and constants count as 2 bits, floats as 64.
+    """
+    if isinstance(expr, MatrixBase):
+        return max((_exact_bits(item) for item in expr), default=0.0)
+    if not isinstance(expr, Basic):
+        return 0.0
+    if expr.is_Integer:
+        return float(int(expr).bit_length())
+    if expr.is_Rational:
+        return float(max(abs(expr.p).bit_length(), expr.q.bit_length()))
+    if expr.is_Float:
+        return 64.0
+    if not expr.args:
+        return 2.0
+    bits = [_exact_bits(arg) for arg in expr.args]
+    if expr.is_Pow:  # |b**e| < 2**(bits(b) * |e|) and |e| < 2**bits(e)
+        return math.inf if bits[1] > 64 else bits[0] * 2.0 ** bits[1]
+    if expr.is_Mul:
+        return sum(bits)
+    if expr.is_Add:
+        return max(bits) + len(bits)
+    if type(expr).__name__ in _FAST_GROWING:  # n! has fewer than n * bits(n) bits
+        return math.inf if max(bits) > 64 else 2.0 ** max(bits) * max(bits)
+    return max(bits)
 
 
 def math_score(response_text: str, truth: str) -> Score:
@@ -147,7 +190,7 @@ def math_score(response_text: str, truth: str) -> Score:
 
 
 class _DeadlineExceeded(BaseException):
-    """Raised inside the checking thread by the watchdog; a BaseException so ``except Exception`` misses it."""
+    """Raised in the checking thread by the watchdog; a BaseException, so ``except Exception`` misses it."""
 
 
 def _call_with_deadline(fn: Callable[[], _T], seconds: float, default: _T) -> _T:
@@ -176,14 +219,19 @@ def _call_with_deadline(fn: Callable[[], _T], seconds: float, default: _T) -> _T
             if finished.wait(0.05):
                 return
 
-    threading.Thread(target=watchdog, name="math-verify-deadline", daemon=True).start()
     try:
         try:
+            threading.Thread(target=watchdog, name="math-verify-deadline", daemon=True).start()
             return fn()
         finally:
-            with lock:
-                finished.set()
-                if fired:
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, None)
+            while True:  # the watchdog must be stopped even if it strikes right here
+                try:
+                    with lock:
+                        finished.set()
+                        if fired:
+                            ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, None)
+                    break
+                except _DeadlineExceeded:
+                    continue
     except _DeadlineExceeded:
         return default

@@ -44,7 +44,6 @@ MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 SYS_MOUNT_SETATTR = 442  # same number on x86-64 and aarch64 (unified syscall table)
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
-SANDBOX_ROOT = "/tmp"
 SANDBOX_CWD = "/tmp/work"
 SANDBOX_PYTHON = "/tmp/python"
 HIDDEN_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
@@ -183,7 +182,7 @@ def _exec_program(cfg: dict, exe: str, cwd: str, env: dict[str, str], drop_uid: 
         os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
         os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     os.execve(exe, [exe, "-I", "-S", "-B", *cfg["argv"]], env)
 
 
@@ -236,8 +235,11 @@ def kill_uid(uid: int, deadline_seconds: float = REAP_SECONDS) -> bool:
 def _wait_program(pid: int, wall_seconds: float) -> str:
     """Wait for the program: 'exited', 'timeout' or 'stopped' (SIGTERM from the caller)."""
     deadline = time.monotonic() + wall_seconds
-    pidfd = os.pidfd_open(pid)
+    pidfd = -1
     try:
+        signal.signal(signal.SIGTERM, _raise_stop)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a SIGTERM already sent lands here
+        pidfd = os.pidfd_open(pid)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -247,7 +249,9 @@ def _wait_program(pid: int, wall_seconds: float) -> str:
     except _Stop:
         return "stopped"
     finally:
-        os.close(pidfd)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if pidfd >= 0:
+            os.close(pidfd)
 
 
 def _kill_descendants() -> bool:
@@ -276,6 +280,8 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 
 def main() -> int:
+    # SIGTERM (the caller's "stop") stays pending until _wait_program can turn it into "stopped".
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     cfg = json.loads(sys.argv[1])
     report_fd = cfg["report_fd"]
     try:
@@ -284,18 +290,15 @@ def main() -> int:
     except Exception as exc:  # a setup failure is the host's problem, not the program's
         os.write(report_fd, json.dumps({"error": f"sandbox setup failed: {exc!r}"}).encode())
         return 125
-    drop_uid = "uid" in enforced
-    signal.signal(signal.SIGTERM, _raise_stop)
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
         try:
-            _exec_program(cfg, exe, cwd, env, drop_uid)
+            _exec_program(cfg, exe, cwd, env, "uid" in enforced)
         except BaseException as exc:
             os.write(2, f"sandbox: cannot start the program: {exc!r}\n".encode())
         os._exit(126)
     outcome = _wait_program(pid, cfg["wall_seconds"])
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.kill(pid, signal.SIGKILL)  # no-op on an exited (zombie) program
     _, status, usage = os.wait4(pid, 0)  # before any other reaping, to keep its status
     wall = time.monotonic() - start
