@@ -8,11 +8,15 @@ Format (character-level, no chat template)::
 The response adds the terms left to right, one ``running+term=sum`` line per
 term after the first, and ends with the answer line ``#<sum>``.
 
-Distribution: a sum has ``min_terms + G`` terms, ``G ~ Geometric(tail_p)``
-(failures before the first success, so ``P(G >= k) = (1 - tail_p) ** k``),
-capped at ``max_terms``; operands are uniform in ``1 .. max_operand``. Most
-sums are short and a few are long, so response lengths have a long tail
-(p99 several times the median): the straggler problem the system exists for.
+Distribution: with probability ``1 - long_share`` a sum has ``min_terms``
+terms; otherwise it has ``min_terms + 1 + G`` terms, ``G ~ Geometric(tail_p)``
+(failures before the first success), capped at ``max_terms``. So
+``P(terms >= min_terms + k) = long_share * (1 - tail_p) ** (k - 1)`` for
+``k >= 1``. Operands are uniform in ``1 .. max_operand``. Most sums are short
+and a few are long, so response lengths have a long tail: with the defaults
+(0.4, 0.3) the p99 response over a batch of 256 is about 8x the median (a
+plain geometric cannot reach 5x: once the median is a shortest sum its tail
+is too light). That tail is the straggler problem the system exists for.
 
 Reward: the response's last line (trailing whitespace removed) must be
 ``#<integer>``. It scores 1.0 (correct) when the integer equals the true sum
@@ -105,8 +109,10 @@ class ArithEnv:
 
     def _draw_terms(self, rng: random.Random) -> list[int]:
         n_terms = self.cfg.min_terms
-        while n_terms < self.cfg.max_terms and rng.random() >= self.cfg.tail_p:
+        if n_terms < self.cfg.max_terms and rng.random() < self.cfg.long_share:
             n_terms += 1
+            while n_terms < self.cfg.max_terms and rng.random() >= self.cfg.tail_p:
+                n_terms += 1
         return [rng.randint(1, self.cfg.max_operand) for _ in range(n_terms)]
 
 

@@ -36,13 +36,19 @@ class TinyModelConfig(_Section):
 
     hidden_size: int = Field(128, ge=16, le=1024, description="Model width.")
     num_layers: int = Field(4, ge=1, le=16, description="Decoder layers.")
-    num_heads: int = Field(4, ge=1, le=32, description="Attention heads (head_dim = hidden/heads).")
-    num_kv_heads: int = Field(2, ge=1, le=32, description="Key/value heads (GQA).")
+    num_heads: int = Field(2, ge=1, le=32, description="Attention heads (head_dim = hidden/heads; few wide "
+                                                       "heads learn the copy-from-prompt skill sooner).")
+    num_kv_heads: int = Field(2, ge=1, le=32, description="Key/value heads (GQA; equal to num_heads: none).")
     intermediate_size: int = Field(384, ge=16, le=4096, description="MLP width.")
     max_position_embeddings: int = Field(512, ge=64, le=8192, description="Longest sequence in tokens.")
-    sft_steps: int = Field(300, ge=0, le=100_000, description="Supervised warm-start steps on reference solutions.")
-    sft_examples_per_step: int = Field(32, ge=1, le=1024, description="Reference solutions per SFT step.")
+    sft_steps: int = Field(1200, ge=0, le=100_000, description="Supervised warm-start steps on reference solutions.")
+    sft_examples_per_step: int = Field(16, ge=1, le=1024, description="Reference solutions per SFT step (small "
+                                                                     "batches, many steps: faster on CPU).")
     sft_learning_rate: float = Field(3e-3, gt=0, le=1.0, description="Peak SFT learning rate (AdamW, cosine).")
+    sft_answer_noise: float = Field(0.3, ge=0, lt=0.5, description="Share of SFT references whose answer line is "
+                                    "off by a little (the steps stay right). The warm-started policy then "
+                                    "samples a wrong answer about this often while greedy decoding stays "
+                                    "right: an error RL can remove. 0: clean references.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "TinyModelConfig":
@@ -66,9 +72,11 @@ class EnvConfig(_Section):
     kind: Literal["arith"] = Field("arith", description="Workload: prompts + verifiable reward.")
     min_terms: int = Field(2, ge=2, le=64, description="arith: fewest numbers in a sum.")
     max_terms: int = Field(24, ge=2, le=64, description="arith: most numbers in a sum.")
-    tail_p: float = Field(0.45, gt=0, lt=1, description="arith: geometric parameter of the number of "
-                                                        "extra terms; smaller means a longer tail.")
-    max_operand: int = Field(99, ge=9, le=9999, description="arith: largest operand.")
+    long_share: float = Field(0.4, ge=0, le=1, description="arith: share of sums longer than min_terms "
+                                                          "(the rest have exactly min_terms terms).")
+    tail_p: float = Field(0.3, gt=0, lt=1, description="arith: a long sum has min_terms + 1 + Geometric(tail_p) "
+                                                       "terms; smaller means a longer tail.")
+    max_operand: int = Field(20, ge=9, le=9999, description="arith: largest operand (operands are 1..max).")
     format_reward: float = Field(0.0, ge=0, le=1, description="Reward for a well-formed answer line that is wrong.")
     eval_prompts: int = Field(128, ge=0, le=100_000, description="Held-out prompts for evaluation (0: none).")
 
@@ -94,7 +102,8 @@ class RolloutConfig(_Section):
 
 
 class TrainConfig(_Section):
-    learning_rate: float = Field(1e-4, gt=0, le=1.0, description="AdamW learning rate (constant).")
+    learning_rate: float = Field(3e-4, gt=0, le=1.0, description="AdamW learning rate (constant); above ~1e-3 "
+                                                                "the tiny default policy collapses.")
     weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="Gradient clipping norm.")
     micro_batch_tokens: int = Field(8192, ge=64, le=10_000_000, description="Token budget of one micro-batch "

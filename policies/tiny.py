@@ -35,7 +35,7 @@ from reflow.envs.base import Env, make_env
 from reflow.infra.config import EnvConfig, ModelConfig, TinyModelConfig
 from reflow.policies.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer, save_tokenizer
 
-CODE_VERSION = "tiny-v1"  # bump when the build or warm start changes, to invalidate caches
+CODE_VERSION = "tiny-v2"  # bump when the build or warm start changes, to invalidate caches
 SFT_SEED_OFFSET = 1_000_003  # SFT prompts: train split of an env seeded seed + this
 WARMUP_FRACTION = 0.05
 MIN_LR_FRACTION = 0.1
@@ -166,14 +166,27 @@ def sft_batches(env: Env, tiny: TinyModelConfig, seed: int = 0) -> Iterator[tupl
         n_batches = min(BUCKET_STEPS, tiny.sft_steps - first)
         prompts = env.prompts("train", first * per_step, n_batches * per_step)
         prompt_ids = tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer([env.reference_solution(p) for p in prompts],
-                                 add_special_tokens=False)["input_ids"]
+        references = [noisy_reference(env.reference_solution(p), tiny.sft_answer_noise, order) for p in prompts]
+        response_ids = tokenizer(references, add_special_tokens=False)["input_ids"]
         rows = sorted(((p_ids, r_ids + [EOS_ID]) for p_ids, r_ids in zip(prompt_ids, response_ids)),
                       key=lambda row: len(row[0]) + len(row[1]))
         batches = [rows[i * per_step:(i + 1) * per_step] for i in range(n_batches)]
         order.shuffle(batches)
         for batch in batches:
             yield _pad_rows(batch, tiny.max_position_embeddings)
+
+
+def noisy_reference(reference: str, noise: float, rng: random.Random) -> str:
+    """With probability ``noise``, move the final ``#<answer>`` by 1..3 either way (staying >= 0)."""
+    if rng.random() >= noise:
+        return reference
+    body, _, answer = reference.rpartition("#")
+    try:
+        value = int(answer)
+    except ValueError:  # not an answer-line workload: leave it clean
+        return reference
+    delta = rng.choice((-3, -2, -1, 1, 2, 3))
+    return f"{body}#{value + delta if value + delta >= 0 else value - delta}"
 
 
 def _pad_rows(rows: list[tuple[list[int], list[int]]], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,7 +110,7 @@ class Trainer:
             self.reference.to(self.device).eval().requires_grad_(False)
         self._maybe_shard()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
-                                           weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+                                           weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
 
     def _maybe_shard(self) -> None:
         """FSDP2: shard each decoder layer, then the root, when running on several ranks."""
