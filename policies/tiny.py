@@ -35,7 +35,7 @@ from reflow.envs.base import Env, make_env
 from reflow.infra.config import EnvConfig, ModelConfig, TinyModelConfig
 from reflow.policies.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer, save_tokenizer
 
-CODE_VERSION = "tiny-v2"  # bump when the build or warm start changes, to invalidate caches
+CODE_VERSION = "tiny-v3"  # bump when the build or warm start changes, to invalidate caches
 SFT_SEED_OFFSET = 1_000_003  # SFT prompts: train split of an env seeded seed + this
 WARMUP_FRACTION = 0.05
 MIN_LR_FRACTION = 0.1
