@@ -38,8 +38,9 @@ def summary_table(steps: list[StepRecord], max_rows: int = 12) -> str:
 
 
 def eval_points(steps: list[StepRecord]) -> list[tuple[float, float]]:
-    """(elapsed seconds, eval accuracy) of the steps that evaluated."""
-    return [(r.elapsed_s, r.metrics["eval_accuracy"]) for r in steps if "eval_accuracy" in r.metrics]
+    """(elapsed seconds, eval accuracy) of the warm-start baseline (t=0) and of the steps that evaluated."""
+    points = [(0.0, steps[0].metrics["eval_accuracy_baseline"])] if steps and "eval_accuracy_baseline" in steps[0].metrics else []
+    return points + [(r.elapsed_s, r.metrics["eval_accuracy"]) for r in steps if "eval_accuracy" in r.metrics]
 
 
 def plot_curves(steps: list[StepRecord], path: Path, title: str) -> Path:
