@@ -146,7 +146,7 @@ class StorageConfig(_Section):
 
 class EvalConfig(_Section):
     every_steps: int = Field(10, ge=1, le=1_000_000, description="Evaluate on held-out prompts every N steps.")
-    samples_per_prompt: int = Field(1, ge=1, le=64, description="Samples per held-out prompt.")
+    samples_per_prompt: int = Field(4, ge=1, le=64, description="Samples per held-out prompt (more: less noise).")
 
 
 class ReflowConfig(_Section):
