@@ -64,6 +64,9 @@ def _quiet_environment(verbose: bool) -> None:
         os.environ["REFLOW_VERBOSE"] = "1"
     else:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+        # The ephemeral Prefect server logs a CancelledError traceback through the root logger
+        # when it is stopped at exit (a race in its sqlite pool); keep the root logger quiet.
+        os.environ.setdefault("PREFECT_LOGGING_ROOT_LEVEL", "CRITICAL")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("RAY_LOG_TO_DRIVER_EVENT_LEVEL", "ERROR")
 
