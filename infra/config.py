@@ -41,11 +41,11 @@ class TinyModelConfig(_Section):
     num_kv_heads: int = Field(2, ge=1, le=32, description="Key/value heads (GQA; equal to num_heads: none).")
     intermediate_size: int = Field(384, ge=16, le=4096, description="MLP width.")
     max_position_embeddings: int = Field(512, ge=64, le=8192, description="Longest sequence in tokens.")
-    sft_steps: int = Field(1600, ge=0, le=100_000, description="Supervised warm-start steps on reference solutions.")
+    sft_steps: int = Field(1200, ge=0, le=100_000, description="Supervised warm-start steps on reference solutions.")
     sft_examples_per_step: int = Field(16, ge=1, le=1024, description="Reference solutions per SFT step (small "
                                                                      "batches, many steps: faster on CPU).")
     sft_learning_rate: float = Field(3e-3, gt=0, le=1.0, description="Peak SFT learning rate (AdamW, cosine).")
-    sft_answer_noise: float = Field(0.45, ge=0, lt=0.5, description="Share of SFT references whose answer line is "
+    sft_answer_noise: float = Field(0.3, ge=0, lt=0.5, description="Share of SFT references whose answer line is "
                                     "off by a little (the steps stay right). The warm-started policy then "
                                     "samples a wrong answer about this often while greedy decoding stays "
                                     "right: an error RL can remove. 0: clean references.")
