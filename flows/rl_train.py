@@ -1,4 +1,4 @@
-"""The training flow: the order of work per step, nothing else.
+"""The training flow: the order of work per mode, nothing else.
 
 * ``sync`` (verl's default): generate the whole batch, score it into Delta,
   train on it, push the new weights to the engines.
@@ -6,47 +6,123 @@
   k+1 with the weights it holds, while the trainer trains on batch k; the
   weight sync queues behind that round on the engine actor, so batch k+1 is
   one version stale when it is trained on.
+* ``async`` and ``reflow``: two loops at once (``infra.loops``): a feeder
+  thread streams whole groups from the engine into the buffer, the selector
+  (this thread) trains on batches the buffer's SQL query admits and pushes
+  weights without waiting; ``reflow`` also replays trained groups when fresh
+  ones are short.
 
-Both evaluate on held-out prompts and checkpoint every few steps.
+All modes evaluate on held-out prompts and checkpoint every few steps. With
+``eval.deferred`` (always in the streaming modes) the weights are
+snapshotted at each eval point and evaluated after training, so evaluation
+never enters the training clock.
 """
 
 from __future__ import annotations
 
+import contextvars
+import math
+import threading
+
 from prefect import flow
 
+from reflow.infra.clock import SystemClock
 from reflow.infra.config import ReflowConfig
-from reflow.tasks.lifecycle import RunOutcome, finalize, prepare, teardown, track
+from reflow.infra.loops import ConcurrencyController, FeederLoop, LoopState, SelectorLoop, StalenessGate
+from reflow.tasks.lifecycle import (RunOutcome, abort_generation, evaluate_snapshots, finalize, prepare, snapshot,
+                                    teardown, track)
 from reflow.tasks.metrics import step_metrics
 from reflow.tasks.rollout import evaluate, rollout, score
+from reflow.tasks.stream import RayFeeder, RaySelector
 from reflow.tasks.update import checkpoint, sync_weights, update
+
+STREAMING = ("async", "reflow")
 
 
 @flow(name="rl_train", log_prints=False)
 def rl_train(config_json: str, run_dir: str, run_id: str) -> RunOutcome:
     """Train a policy with GRPO as the config says; returns where the results are."""
     cfg = ReflowConfig.model_validate_json(config_json)
-    total, overlap = cfg.run.total_steps, cfg.mode.kind == "one_step_off"
     failed = True
     try:
         prepare(config_json, run_dir, run_id)
         baseline = evaluate(run_dir, step=-1) if cfg.env.eval_prompts else None
-        handle = rollout(run_dir, 0)
-        for step in range(total):
-            last = step == total - 1
-            scored = score(run_dir, handle)
-            if overlap and not last:
-                handle = rollout(run_dir, step + 1)
-            updated = update(run_dir, step)
-            synced = sync_weights(run_dir, updated.version)
-            due_eval = cfg.env.eval_prompts and ((step + 1) % cfg.eval.every_steps == 0 or last)
-            evaluated = evaluate(run_dir, step) if due_eval else None
-            track(run_dir, step_metrics(run_dir, scored, updated, synced, evaluated, baseline))
-            if (step + 1) % cfg.run.checkpoint_every_steps == 0 or last:
-                checkpoint(run_dir, step)
-            if not overlap and not last:
-                handle = rollout(run_dir, step + 1)
+        if cfg.mode.kind in STREAMING:
+            snapshots = _streaming(cfg, run_dir, baseline)
+        else:
+            snapshots = _rounds(cfg, run_dir, baseline)
+        evaluate_snapshots(run_dir, snapshots)
         outcome = finalize(run_dir)
         failed = False
         return outcome
     finally:
         teardown(run_dir, failed)
+
+
+def _due_eval(cfg: ReflowConfig, step: int) -> bool:
+    return bool(cfg.env.eval_prompts) and ((step + 1) % cfg.eval.every_steps == 0 or step == cfg.run.total_steps - 1)
+
+
+def _after_step(cfg: ReflowConfig, run_dir: str, step: int, version: int, snapshots: list) -> None:
+    if _due_eval(cfg, step):
+        snapshots.append(snapshot(run_dir, step, version))
+    if (step + 1) % cfg.run.checkpoint_every_steps == 0 or step == cfg.run.total_steps - 1:
+        checkpoint(run_dir, step)
+
+
+def _rounds(cfg: ReflowConfig, run_dir: str, baseline) -> list:
+    """``sync`` and ``one_step_off``: one rollout round per step."""
+    total, overlap = cfg.run.total_steps, cfg.mode.kind == "one_step_off"
+    snapshots: list = []
+    handle = rollout(run_dir, 0)
+    for step in range(total):
+        last = step == total - 1
+        scored = score(run_dir, handle)
+        if overlap and not last:
+            handle = rollout(run_dir, step + 1)
+        updated = update(run_dir, step)
+        synced = sync_weights(run_dir, updated.version)
+        inline_eval = _due_eval(cfg, step) and not cfg.eval.deferred
+        evaluated = evaluate(run_dir, step) if inline_eval else None
+        track(run_dir, step_metrics(run_dir, scored, updated, synced, evaluated, baseline))
+        _after_step(cfg, run_dir, step, updated.version, snapshots if cfg.eval.deferred else [])
+        if not overlap and not last:
+            handle = rollout(run_dir, step + 1)
+    return snapshots
+
+
+def _streaming(cfg: ReflowConfig, run_dir: str, baseline) -> list:
+    """``async`` and ``reflow``: the feeder in a thread, the selector here, until ``total_steps`` updates."""
+    b, c, groups = cfg.buffer, cfg.concurrency, cfg.rollout.prompts_per_step
+    replay = cfg.mode.kind == "reflow"
+    fresh_per_step = max(1, math.ceil((1 - b.replay_ratio) * groups)) if replay else groups
+    clock = SystemClock()
+    state = LoopState()
+    maximum = cfg.rollout.max_concurrent_sequences if c.adaptive else c.initial_sequences
+    minimum = c.min_sequences if c.adaptive else c.initial_sequences
+    controller = ConcurrencyController(c.initial_sequences, minimum, maximum, c.increase, c.decrease,
+                                       window_s=c.window_s)
+    feeder = FeederLoop(RayFeeder(run_dir), state, StalenessGate(b.max_staleness_versions, fresh_per_step, groups),
+                        controller, clock, window_s=b.drain_window_s)
+    snapshots: list = []
+
+    def on_step(step, selection, updated, record) -> None:
+        if baseline is not None:
+            record.metrics["eval_accuracy_baseline"] = baseline.accuracy
+        track(run_dir, record)
+        _after_step(cfg, run_dir, step, updated.version, snapshots)
+
+    selector = SelectorLoop(RaySelector(run_dir, state, controller, on_step, replay), state, groups, clock,
+                            min_unused_groups=fresh_per_step)
+    # The feeder's tasks run in its thread inside this flow run (the context carries the run).
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(feeder.run,), name="feeder", daemon=True)
+    thread.start()
+    try:
+        selector.run(range(cfg.run.total_steps))
+    finally:
+        state.request_stop()
+        thread.join()
+        abort_generation(run_dir)
+    if state.error is not None:
+        raise RuntimeError("the feeder loop failed") from state.error
+    return snapshots

@@ -47,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--queries", type=int, default=50, help="timed selections")
     bench.add_argument("--rebuild", action="store_true", help="rebuild the tables under --root")
     bench.add_argument("--out", metavar="DIR", help="also write DIR/bench_sampler.json")
+    modes = sub.add_parser("bench", help="run the same workload under several modes and compare them")
+    _add_config_args(modes)
+    modes.add_argument("--modes", default="sync,one_step_off,async,reflow",
+                       help="comma-separated modes (default: all four)")
+    modes.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
+    modes.add_argument("--target-accuracy", type=float, default=None,
+                       help="held-out accuracy to time (default: warm-start + 75%% of sync's gain)")
+    modes.add_argument("--out", metavar="DIR", required=True, help="where bench.json, bench.png and the runs go")
     show = sub.add_parser("config", help="print the resolved config as JSON")
     _add_config_args(show)
     return parser
@@ -139,6 +147,39 @@ def _cmd_bench_sampler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from typing import get_args
+
+    from reflow.infra.config import ModeConfig
+
+    known = get_args(ModeConfig.model_fields["kind"].annotation)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in known]
+    if not modes or bad:
+        raise InputError(f"--modes: unknown mode(s) {bad or modes}; choose from {', '.join(known)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise InputError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    if not seeds:
+        raise InputError("--seeds: give at least one seed")
+    if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
+        raise InputError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
+    cfg = load_config(args.config, args.overrides)  # validate once, before any run starts
+    preflight(cfg)
+    if cfg.env.eval_prompts == 0:
+        raise InputError("env.eval_prompts: the benchmark needs held-out prompts (> 0)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out: {str(out)!r} exists and is not a directory")
+    _quiet_environment(False)
+    from reflow.flows.bench import bench_flow
+
+    bench_flow(config=args.config, overrides=list(args.overrides), modes=modes, seeds=seeds, out=str(out.resolve()),
+               target=args.target_accuracy)
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from reflow.infra.config import config_to_json
 
@@ -149,7 +190,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``reflow`` script."""
     args = build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler}
+    handlers = {"run": _cmd_run, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench}
     handler = _cmd_model_init if args.command == "model" else handlers[args.command]
     try:
         return handler(args)

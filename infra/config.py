@@ -26,7 +26,7 @@ class RunConfig(_Section):
                       description="Run name; the run directory is <out_dir>/<name>-<timestamp>.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for prompts, sampling and init.")
     out_dir: str = Field("runs", description="Directory that holds run directories.")
-    total_steps: int = Field(60, ge=1, le=1_000_000, description="Trainer updates to run.")
+    total_steps: int = Field(100, ge=1, le=1_000_000, description="Trainer updates to run.")
     checkpoint_every_steps: int = Field(20, ge=1, le=1_000_000,
                                         description="Save model + optimizer every N steps (and at the end).")
 
@@ -41,11 +41,11 @@ class TinyModelConfig(_Section):
     num_kv_heads: int = Field(2, ge=1, le=32, description="Key/value heads (GQA; equal to num_heads: none).")
     intermediate_size: int = Field(384, ge=16, le=4096, description="MLP width.")
     max_position_embeddings: int = Field(512, ge=64, le=8192, description="Longest sequence in tokens.")
-    sft_steps: int = Field(1200, ge=0, le=100_000, description="Supervised warm-start steps on reference solutions.")
+    sft_steps: int = Field(1600, ge=0, le=100_000, description="Supervised warm-start steps on reference solutions.")
     sft_examples_per_step: int = Field(16, ge=1, le=1024, description="Reference solutions per SFT step (small "
                                                                      "batches, many steps: faster on CPU).")
     sft_learning_rate: float = Field(3e-3, gt=0, le=1.0, description="Peak SFT learning rate (AdamW, cosine).")
-    sft_answer_noise: float = Field(0.3, ge=0, lt=0.5, description="Share of SFT references whose answer line is "
+    sft_answer_noise: float = Field(0.45, ge=0, lt=0.5, description="Share of SFT references whose answer line is "
                                     "off by a little (the steps stay right). The warm-started policy then "
                                     "samples a wrong answer about this often while greedy decoding stays "
                                     "right: an error RL can remove. 0: clean references.")
@@ -115,12 +115,53 @@ class TrainConfig(_Section):
     loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation over "
                                                                                   "tokens of a batch.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Trainer device.")
+    policy_loss: Literal["decoupled", "ppo"] = Field(
+        "decoupled", description="decoupled: AReaL's decoupled PPO with the pre-update weights as the proximal "
+        "policy and a capped behaviour weight per token (corrects stale and replayed tokens; default); ppo: the "
+        "clipped surrogate against the behaviour log-probs (verl's default without rollout correction).")
+    is_weight_cap: float = Field(2.0, gt=0, le=100.0, description="decoupled: largest behaviour importance "
+                                 "weight exp(proximal - behaviour) per token.")
+    is_cap_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="decoupled: above the cap, truncate the weight (verl's TIS) or drop the token "
+        "(mask, AReaL's code).")
 
 
 class ModeConfig(_Section):
-    kind: Literal["sync", "one_step_off"] = Field(
+    kind: Literal["sync", "one_step_off", "async", "reflow"] = Field(
         "sync", description="Orchestration mode: 'sync' generates the whole batch, then trains (verl's default); "
-                            "'one_step_off' generates batch k+1 while training on batch k (staleness 1).")
+                            "'one_step_off' generates batch k+1 while training on batch k (staleness 1); "
+                            "'async' streams rollouts into the buffer and trains on whatever is ready within "
+                            "buffer.max_staleness_versions (verl fully-async / AReaL); 'reflow' is async plus "
+                            "replay from the buffer when fresh data is short.")
+
+
+class BufferConfig(_Section):
+    """The staleness-bounded replay buffer over Delta (modes async and reflow)."""
+
+    max_staleness_versions: int = Field(2, ge=0, le=1000, description="Trainer version minus the version that "
+                                        "generated a sample's oldest token never exceeds this.")
+    replay_ratio: float = Field(0.5, ge=0, le=0.95, description="reflow: largest share of a batch, in samples, "
+                                "taken from already-trained trajectories (async always uses 0).")
+    max_reuse: int = Field(2, ge=1, le=100, description="reflow: most times one trajectory is trained on "
+                           "(1: never replayed).")
+    replay_order: Literal["newest", "advantage"] = Field(
+        "advantage", description="reflow: which replayed groups go first: 'advantage' (largest mean |centred "
+        "reward| first; groups with equal rewards carry no gradient) or 'newest'.")
+    reuse_decay: float = Field(0.5, gt=0, le=1, description="Loss weight factor per previous use of a sample.")
+    staleness_decay: float = Field(0.9, gt=0, le=1, description="Loss weight factor per version of age.")
+    drain_window_s: float = Field(0.25, gt=0, le=60, description="Engine stepping window between feeder "
+                                  "decisions (weights load between windows).")
+
+
+class ConcurrencyConfig(_Section):
+    """Adaptive in-flight generation requests per engine (streaming modes; AIMD on tokens/s)."""
+
+    adaptive: bool = Field(True, description="Adapt the target during the run (else keep initial_sequences).")
+    initial_sequences: int = Field(128, ge=1, le=65_536, description="In-flight requests at start.")
+    min_sequences: int = Field(32, ge=1, le=65_536, description="Lower bound of the target.")
+    increase: int = Field(32, ge=1, le=65_536, description="Additive step when throughput rose.")
+    decrease: float = Field(0.75, gt=0, lt=1, description="Multiplicative factor when throughput fell.")
+    window_s: float = Field(2.0, gt=0, le=600, description="Engine-busy seconds per decision.")
 
 
 class ResourcesConfig(_Section):
@@ -147,6 +188,9 @@ class StorageConfig(_Section):
 class EvalConfig(_Section):
     every_steps: int = Field(10, ge=1, le=1_000_000, description="Evaluate on held-out prompts every N steps.")
     samples_per_prompt: int = Field(4, ge=1, le=64, description="Samples per held-out prompt (more: less noise).")
+    deferred: bool = Field(False, description="Snapshot the weights at each eval point and evaluate after "
+                           "training, so evaluation never enters the training clock (always on in the "
+                           "streaming modes, whose engine is busy with training requests).")
 
 
 class ReflowConfig(_Section):
@@ -158,6 +202,8 @@ class ReflowConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     mode: ModeConfig = Field(default_factory=ModeConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
@@ -172,6 +218,14 @@ class ReflowConfig(_Section):
                     "rollout.max_response_tokens plus the longest arith prompt "
                     f"({longest_prompt} tokens) exceeds model.tiny.max_position_embeddings "
                     f"({self.model.tiny.max_position_embeddings}); lower one or raise the other")
+        c = self.concurrency
+        if not c.min_sequences <= c.initial_sequences <= self.rollout.max_concurrent_sequences:
+            raise ValueError(f"need concurrency.min_sequences ({c.min_sequences}) <= concurrency.initial_sequences "
+                             f"({c.initial_sequences}) <= rollout.max_concurrent_sequences "
+                             f"({self.rollout.max_concurrent_sequences})")
+        if c.min_sequences < self.rollout.samples_per_prompt:
+            raise ValueError(f"concurrency.min_sequences ({c.min_sequences}) must hold one whole group "
+                             f"(rollout.samples_per_prompt = {self.rollout.samples_per_prompt})")
         if self.rollout.prompts_per_step * self.rollout.samples_per_prompt > 1_000_000:
             raise ValueError("rollout.prompts_per_step * rollout.samples_per_prompt must be <= 1,000,000")
         return self

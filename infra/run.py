@@ -91,3 +91,11 @@ def read_steps(run_dir: str | Path) -> list[StepRecord]:
     if not path.exists():
         return []
     return [StepRecord.model_validate(json.loads(line)) for line in path.read_text().splitlines() if line]
+
+
+def rewrite_steps(run_dir: str | Path, steps: list[StepRecord]) -> None:
+    """Replace ``steps.jsonl`` atomically (deferred evaluations add figures to past steps)."""
+    path = Path(run_dir) / "steps.jsonl"
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(r.model_dump_json() + "\n" for r in steps))
+    tmp.replace(path)

@@ -43,12 +43,63 @@ class EngineWorker:
         results = generate_all(self.engine, requests)
         return GenBatch(results=results, seconds=time.perf_counter() - start)
 
+    def submit(self, requests: Sequence[Any]) -> int:
+        """Queue ``requests`` in the running engine (streaming modes); returns the number in flight."""
+        self.engine.submit(requests)
+        return self.engine.num_unfinished()
+
+    def drain(self, window_s: float) -> Any:
+        """Step the engine for about ``window_s`` seconds; a ``Drain`` of what finished meanwhile."""
+        import time
+
+        from reflow.policies.engines import Drain
+
+        start = time.perf_counter()
+        results = []
+        while self.engine.num_unfinished() and time.perf_counter() - start < window_s:
+            results.extend(self.engine.collect(max_steps=4))
+        return Drain(results=results, seconds=time.perf_counter() - start, in_flight=self.engine.num_unfinished())
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> list[Any]:
+        """Abort the named requests (all in flight when None); their partial results."""
+        return self.engine.abort(self.engine.pending_ids() if request_ids is None else request_ids)
+
     def update_weights(self, state: dict[str, Any], version: int) -> int:
+        """Load new weights in place; requests in flight continue with them."""
         self.engine.update_weights(state, version)
         return version
 
     def version(self) -> int:
         return self.engine.version
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What a trained batch looked like (rewards and lengths of its rows)."""
+
+    reward_mean: float
+    accuracy: float
+    length_mean: float
+    length_p50: float
+    length_p99: float
+
+
+def batch_stats(table: Any) -> BatchStats:
+    import numpy as np
+
+    if table.num_rows == 0:
+        return BatchStats(0.0, 0.0, 0.0, 0.0, 0.0)
+    lengths = np.asarray(table.column("response_length").to_pylist(), dtype=float)
+    return BatchStats(reward_mean=float(np.mean(table.column("reward").to_pylist())),
+                      accuracy=float(np.mean(table.column("correct").to_pylist())),
+                      length_mean=float(lengths.mean()), length_p50=float(np.percentile(lengths, 50)),
+                      length_p99=float(np.percentile(lengths, 99)))
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    metrics: Any  # policies.trainer.StepMetrics
+    batch: BatchStats
 
 
 class TrainerWorker:
@@ -74,8 +125,12 @@ class TrainerWorker:
         from reflow.storage.delta_store import DeltaTrajectoryStore
 
         table = DeltaTrajectoryStore(self.store_root).read_trajectories(run_id=run_id, ids=trajectory_ids)
+        if table.num_rows != len(set(trajectory_ids)):
+            raise RuntimeError(f"trainer: {len(set(trajectory_ids))} trajectories selected, "
+                               f"{table.num_rows} found in {self.store_root}")
         weights = dict(zip(trajectory_ids, loss_weights))
-        return self.trainer.step(train_samples_from_table(table, weights))
+        metrics = self.trainer.step(train_samples_from_table(table, weights))
+        return TrainResult(metrics=metrics, batch=batch_stats(table))
 
     def export_weights(self) -> dict[str, Any]:
         return self.trainer.export_weights()

@@ -10,9 +10,12 @@ implementations:
 * ``TransformersEngine`` - plain ``transformers`` ``generate`` with sampling;
   it serves where vLLM is not installed (e.g. a CUDA machine without vLLM).
 
-Alignment rule of every ``GenResult``: ``logprobs`` has one entry per
-``response_tokens`` entry, the log-probability of that token under the
-weights of ``version`` at temperature 1 (see ``RolloutConfig.temperature``).
+Alignment rule of every ``GenResult``: ``logprobs`` and ``token_versions``
+have one entry per ``response_tokens`` entry: the log-probability of that
+token at temperature 1 (see ``RolloutConfig.temperature``) under the weights
+of the version that sampled it. Weights may change while a request is in
+flight (streaming modes update the engine between steps), so one response
+can span versions; ``version`` is its oldest token's (what staleness counts).
 """
 
 from __future__ import annotations
@@ -36,13 +39,19 @@ class GenRequest:
 
 @dataclass(frozen=True)
 class GenResult:
-    """A finished (or aborted) sample; one log-prob per response token."""
+    """A finished (or aborted) sample; one log-prob and one policy version per response token."""
 
     request_id: str
     response_tokens: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
-    version: int
+    token_versions: list[int]
+    submitted_version: int  # engine version when the request was submitted
+
+    @property
+    def version(self) -> int:
+        """The oldest token's policy version (the submit version for an empty response)."""
+        return min(self.token_versions, default=self.submitted_version)
 
 
 class Engine(Protocol):
@@ -54,9 +63,11 @@ class Engine(Protocol):
 
     def collect(self, max_steps: int = 1) -> list[GenResult]: ...
 
-    def abort(self, request_ids: Sequence[str]) -> None: ...
+    def abort(self, request_ids: Sequence[str]) -> list[GenResult]: ...
 
     def num_unfinished(self) -> int: ...
+
+    def pending_ids(self) -> list[str]: ...
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None: ...
 
@@ -67,6 +78,15 @@ class GenBatch:
 
     results: list[GenResult]
     seconds: float
+
+
+@dataclass(frozen=True)
+class Drain:
+    """What finished during one drain window of a streaming engine."""
+
+    results: list[GenResult]
+    seconds: float  # engine time spent stepping
+    in_flight: int  # requests still running
 
 
 def generate_all(engine: Engine, requests: Sequence[GenRequest]) -> list[GenResult]:
@@ -94,6 +114,31 @@ class EngineSettings:
     threads: int = 2
 
 
+class _Progress:
+    """A running request: what it asked for and what it has produced, each token with its log-prob and version."""
+
+    __slots__ = ("request", "submitted_version", "tokens", "logprobs", "versions", "engine_id")
+
+    def __init__(self, request: GenRequest, submitted_version: int) -> None:
+        self.request = request
+        self.submitted_version = submitted_version
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.engine_id = request.request_id  # the id inside vLLM (changes when the request is resumed)
+
+    def add(self, tokens: list[int], logprobs: list[float], version: int) -> None:
+        if len(tokens) != len(logprobs):
+            raise RuntimeError(f"engine returned {len(tokens)} tokens but {len(logprobs)} log-probs")
+        self.tokens.extend(tokens)
+        self.logprobs.extend(logprobs)
+        self.versions.extend([version] * len(tokens))
+
+    def result(self, reason: str) -> GenResult:
+        return GenResult(self.request.request_id, self.tokens, self.logprobs, reason, self.versions,
+                         self.submitted_version)
+
+
 class VLLMEngine:
     """vLLM's ``LLMEngine`` stepped in-process."""
 
@@ -117,51 +162,91 @@ class VLLMEngine:
         self._make_params = lambda max_tokens: SamplingParams(
             temperature=settings.temperature, max_tokens=max_tokens, logprobs=0, n=1,
             stop_token_ids=[settings.eos_token_id], detokenize=False, skip_special_tokens=False,
-            output_kind=RequestOutputKind.FINAL_ONLY)
-        self._pending: set[str] = set()
+            output_kind=RequestOutputKind.DELTA)
+        self._pending: dict[str, _Progress] = {}  # by request id
+        self._by_engine_id: dict[str, _Progress] = {}  # by the id vLLM knows
+        self._resumes = 0
 
     def submit(self, requests: Sequence[GenRequest]) -> None:
+        for req in requests:
+            if req.request_id in self._pending:
+                raise ValueError(f"request id {req.request_id!r} is already running")
+            progress = _Progress(req, self.version)
+            self._pending[req.request_id] = progress
+            self._add(progress)
+
+    def _add(self, progress: _Progress) -> None:
+        """Hand vLLM the prompt plus what was generated so far, for the tokens still allowed."""
         from vllm.inputs import TokensPrompt
 
-        for req in requests:
-            self._engine.add_request(req.request_id, TokensPrompt(prompt_token_ids=list(req.prompt_tokens)),
-                                     self._make_params(req.max_tokens))
-            self._pending.add(req.request_id)
+        req = progress.request
+        self._by_engine_id[progress.engine_id] = progress
+        self._engine.add_request(progress.engine_id,
+                                 TokensPrompt(prompt_token_ids=list(req.prompt_tokens) + progress.tokens),
+                                 self._make_params(req.max_tokens - len(progress.tokens)))
 
     def collect(self, max_steps: int = 1) -> list[GenResult]:
+        """Up to ``max_steps`` engine steps; the requests that finished in them.
+
+        Outputs are deltas (new tokens of each running request per step), so
+        every token is stamped with the version that sampled it.
+        """
         done: list[GenResult] = []
         for _ in range(max_steps):
             if not self._engine.has_unfinished_requests():
                 break
             for out in self._engine.step():
-                if not out.finished:
+                progress = self._by_engine_id.get(out.request_id)
+                if progress is None:
                     continue
-                self._pending.discard(out.request_id)
-                done.append(self._to_result(out))
+                comp = out.outputs[0]
+                tokens = list(comp.token_ids)
+                progress.add(tokens, [entry[tok].logprob for entry, tok in zip(comp.logprobs or [], tokens)],
+                             self.version)
+                if out.finished:
+                    del self._by_engine_id[out.request_id]
+                    del self._pending[progress.request.request_id]
+                    reason = comp.finish_reason if comp.finish_reason in ("stop", "length") else "abort"
+                    done.append(progress.result(reason))
         return done
 
-    def _to_result(self, out: object) -> GenResult:
-        comp = out.outputs[0]  # type: ignore[attr-defined]
-        tokens = list(comp.token_ids)
-        logprobs = [entry[tok].logprob for entry, tok in zip(comp.logprobs or [], tokens)]
-        reason = comp.finish_reason if comp.finish_reason in ("stop", "length") else "abort"
-        return GenResult(out.request_id, tokens, logprobs, reason, self.version)  # type: ignore[attr-defined]
-
-    def abort(self, request_ids: Sequence[str]) -> None:
-        ids = [r for r in request_ids if r in self._pending]
-        if ids:
-            self._engine.abort_request(ids)
-        self._pending.difference_update(ids)
+    def abort(self, request_ids: Sequence[str]) -> list[GenResult]:
+        """Stop the named requests; returns what each had generated (finish reason ``abort``)."""
+        progress = [self._pending.pop(r) for r in request_ids if r in self._pending]
+        if progress:
+            self._engine.abort_request([p.engine_id for p in progress])
+            for p in progress:
+                self._by_engine_id.pop(p.engine_id, None)
+        return [p.result("abort") for p in progress]
 
     def num_unfinished(self) -> int:
         return len(self._pending)
 
+    def pending_ids(self) -> list[str]:
+        return list(self._pending)
+
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Load ``state`` (Hugging Face names) into the running model, in place."""
+        """Load ``state`` (Hugging Face names) into the running model, in place.
+
+        Requests in flight are interrupted and resumed from where they
+        stopped (prompt + tokens so far as the new prompt), as AReaL's
+        interruptible generation does: their KV cache was computed with the
+        old weights, so continuing on it would sample the next tokens from
+        neither policy. The re-prefill makes every later token's log-prob
+        exactly the new policy's.
+        """
+        running = list(self._pending.values())
+        if running:
+            self._engine.abort_request([p.engine_id for p in running])
+            self._by_engine_id.clear()
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items()),
                                                            "is_checkpoint_format": True})
         self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.version = version
+        self._resumes += 1
+        for p in running:  # a running request is below its budget (vLLM finishes it on reaching it)
+            p.engine_id = f"{p.request.request_id}#r{self._resumes}"
+            self._add(p)
 
 
 class TransformersEngine:
@@ -185,9 +270,16 @@ class TransformersEngine:
     def num_unfinished(self) -> int:
         return len(self._queue)
 
-    def abort(self, request_ids: Sequence[str]) -> None:
+    def pending_ids(self) -> list[str]:
+        return [r.request_id for r in self._queue]
+
+    def abort(self, request_ids: Sequence[str]) -> list[GenResult]:
+        """Drop queued requests (nothing is generated before ``collect``, so nothing is partial)."""
         drop = set(request_ids)
+        aborted = [GenResult(r.request_id, [], [], "abort", [], self.version) for r in self._queue
+                   if r.request_id in drop]
         self._queue = [r for r in self._queue if r.request_id not in drop]
+        return aborted
 
     def collect(self, max_steps: int = 1) -> list[GenResult]:
         """Generate one batch of up to ``max_concurrent_sequences`` queued requests."""
@@ -222,8 +314,9 @@ class TransformersEngine:
         eos = self.settings.eos_token_id
         if eos in toks:
             n = toks.index(eos) + 1
-            return GenResult(req.request_id, toks[:n], logp[:n].tolist(), "stop", self.version)
-        return GenResult(req.request_id, toks, logp[: len(toks)].tolist(), "length", self.version)
+            return GenResult(req.request_id, toks[:n], logp[:n].tolist(), "stop", [self.version] * n, self.version)
+        return GenResult(req.request_id, toks, logp[: len(toks)].tolist(), "length", [self.version] * len(toks),
+                         self.version)
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.model.load_state_dict(state, strict=False)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from reflow.infra.config import TrainConfig
-from reflow.policies import grpo
+from reflow.policies import grpo, offpolicy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
@@ -153,8 +153,16 @@ class Trainer:
         targets = batch["ids"][:, 1:]
         logp = grpo.token_logprobs(logits, targets)
         mask = batch["mask"]
-        per_token, clipped = grpo.clipped_surrogate(logp, batch["behaviour"], batch["adv"],
-                                                    self.cfg.clip_eps_low, self.cfg.clip_eps_high)
+        if self.cfg.policy_loss == "decoupled":
+            # One optimiser step per batch, so the proximal policy is the current weights: r = 1 with
+            # gradient, and the behaviour weight w = min(exp(logp - behaviour), cap) corrects stale tokens.
+            per_token, _, weight = offpolicy.decoupled_ppo_loss(
+                logp, logp.detach(), batch["behaviour"], batch["adv"], self.cfg.clip_eps_low,
+                self.cfg.clip_eps_high, self.cfg.is_weight_cap, self.cfg.is_cap_mode)
+            clipped = (torch.exp(logp.detach() - batch["behaviour"]) > self.cfg.is_weight_cap).float()
+        else:
+            per_token, clipped = grpo.clipped_surrogate(logp, batch["behaviour"], batch["adv"],
+                                                        self.cfg.clip_eps_low, self.cfg.clip_eps_high)
         kl = torch.zeros_like(logp)
         if self.reference is not None:
             with torch.no_grad():

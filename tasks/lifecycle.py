@@ -15,8 +15,8 @@ from prefect.cache_policies import NO_CACHE
 
 from reflow.infra import report
 from reflow.infra.config import ReflowConfig, flat_params
-from reflow.infra.run import (RunRecord, StepRecord, append_step, default_tracking_uri, read_steps, write_config,
-                              write_record)
+from reflow.infra.run import (RunRecord, StepRecord, append_step, default_tracking_uri, read_steps, rewrite_steps,
+                              write_config, write_record)
 from reflow.infra.workers import Placement, actor, launch_workers, start_ray, stop_workers
 from reflow.policies.engines import EngineSettings, model_max_len
 from reflow.storage.tracker import Tracker, make_tracker
@@ -76,6 +76,59 @@ def track(run_dir: str, record: StepRecord) -> None:
     _TRACKERS[run_dir].log_metrics(record.metrics, step=record.step)
     append_step(run_dir, record)
     print(report.progress_line(record, ctx.cfg.run.total_steps), flush=True)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The trainer's weights at an eval point, kept in Ray's object store until evaluated."""
+
+    step: int
+    version: int
+    weights: object  # ray.ObjectRef
+
+
+def snapshot(run_dir: str, step: int, version: int) -> Snapshot:
+    """Reference the trainer's current weights (no copy through this process)."""
+    ctx = context(run_dir)
+    return Snapshot(step, version, actor(ctx.record.trainer, ctx.record.namespace).export_weights.remote())
+
+
+def abort_generation(run_dir: str) -> None:
+    """Abort what the engines still have in flight (the streaming modes stop mid-stream)."""
+    ctx = context(run_dir)
+    ray.get([actor(name, ctx.record.namespace).abort.remote() for name in ctx.record.engines])
+
+
+@task(name="evaluate_snapshots", cache_policy=NO_CACHE)
+def evaluate_snapshots(run_dir: str, snapshots: list[Snapshot]) -> int:
+    """Evaluate deferred snapshots; add their figures to their steps (``steps.jsonl`` and MLflow).
+
+    Leaves the engines holding the trainer's current weights.
+    """
+    if not snapshots:
+        return 0
+    from reflow.tasks.rollout import evaluate
+
+    ctx = context(run_dir)
+    engines = [actor(name, ctx.record.namespace) for name in ctx.record.engines]
+    figures: dict[int, dict[str, float]] = {}
+    for snap in snapshots:
+        ray.get([e.update_weights.remote(snap.weights, snap.version) for e in engines])
+        ev = evaluate.fn(run_dir, snap.step)
+        figures[snap.step] = {"eval_accuracy": ev.accuracy, "eval_reward_mean": ev.reward_mean,
+                              "eval_response_length_mean": ev.length_mean, "eval_seconds": ev.seconds}
+        print(f"eval step {snap.step + 1:>4}: held-out accuracy {ev.accuracy:.3f}", flush=True)
+    trainer = actor(ctx.record.trainer, ctx.record.namespace)
+    current = trainer.export_weights.remote()
+    version = ray.get(trainer.version.remote())
+    ray.get([e.update_weights.remote(current, version) for e in engines])
+    steps = read_steps(run_dir)
+    for rec in steps:
+        if rec.step in figures:
+            rec.metrics.update(figures[rec.step])
+            _TRACKERS[run_dir].log_metrics(figures[rec.step], step=rec.step)
+    rewrite_steps(run_dir, steps)
+    return len(figures)
 
 
 @dataclass(frozen=True)

@@ -87,16 +87,17 @@ def rollout(run_dir: str, step: int) -> RolloutHandle:
 
 
 def _record(ctx: TaskContext, step: int, prompt: Prompt, prompt_tokens: list[int], result: GenResult) -> Trajectory:
-    _, prompt_id, index = result.request_id.rsplit("/", 2)
+    """The scored record of ``result`` (request id ``<round>/<prompt id>/<sample>``), written at ``step``."""
+    tag, prompt_id, index = result.request_id.rsplit("/", 2)
     text = ctx.tokenizer.decode(result.response_tokens, skip_special_tokens=True)
     score = ctx.env.score(prompt, text)
     n = len(result.response_tokens)
     return Trajectory(
-        trajectory_id=f"{ctx.record.run_id}/{step}/{prompt_id}/{index}", run_id=ctx.record.run_id,
-        prompt_id=prompt_id, group_id=f"{ctx.record.run_id}/{step}/{prompt_id}", sample_index=int(index),
+        trajectory_id=f"{ctx.record.run_id}/{tag}/{prompt_id}/{index}", run_id=ctx.record.run_id,
+        prompt_id=prompt_id, group_id=f"{ctx.record.run_id}/{tag}/{prompt_id}", sample_index=int(index),
         env=prompt.env, rollout_step=step, policy_version=result.version, prompt_tokens=prompt_tokens,
         response_tokens=result.response_tokens, behaviour_logprobs=result.logprobs,
-        token_versions=[result.version] * n, loss_mask=[1] * n, reward=score.reward, correct=score.correct,
+        token_versions=list(result.token_versions), loss_mask=[1] * n, reward=score.reward, correct=score.correct,
         finish_reason=result.finish_reason, response_length=n)
 
 

@@ -15,8 +15,8 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from reflow.infra.workers import actor
-from reflow.storage.sampler import sync_batch
+from reflow.infra.workers import BatchStats, actor
+from reflow.storage.sampler import BatchSelection, sync_batch
 from reflow.storage.schema import Usage
 from reflow.tasks.context import context
 
@@ -38,6 +38,7 @@ class UpdateSummary:
     staleness_mean: float  # trainer version minus generating version, over the batch
     staleness_max: int
     seconds: float
+    batch: BatchStats  # rewards and lengths of the rows trained on
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,20 @@ class SyncSummary:
 
 
 @task(name="update", cache_policy=NO_CACHE)
-def update(run_dir: str, step: int) -> UpdateSummary:
-    """One trainer step on the batch of ``step``; logs the batch to ``usage``."""
+def update(run_dir: str, step: int, selection: BatchSelection | None = None) -> UpdateSummary:
+    """One trainer step; logs the batch to ``usage``.
+
+    ``selection`` is the batch chosen by the buffer's query (streaming
+    modes); None takes the whole rollout of ``step`` (sync modes).
+    """
     ctx = context(run_dir)
     start = ctx.clock.now()
     trainer = actor(ctx.record.trainer, ctx.record.namespace)
     trainer_version = ray.get(trainer.version.remote())
-    batch = sync_batch(ctx.store, run_id=ctx.record.run_id, rollout_step=step)
-    metrics = ray.get(trainer.train.remote(ctx.record.run_id, batch.trajectory_ids, batch.loss_weights))
+    batch = selection if selection is not None else sync_batch(ctx.store, run_id=ctx.record.run_id,
+                                                               rollout_step=step)
+    result = ray.get(trainer.train.remote(ctx.record.run_id, batch.trajectory_ids, batch.loss_weights))
+    metrics = result.metrics
     usage = [Usage(run_id=ctx.record.run_id, trajectory_id=tid, trainer_step=step, trainer_version=trainer_version,
                    loss_weight=w, staleness=trainer_version - v)
              for tid, w, v in zip(batch.trajectory_ids, batch.loss_weights, batch.policy_versions)]
@@ -66,7 +73,7 @@ def update(run_dir: str, step: int) -> UpdateSummary:
                          usage_delta_version=usage_version,
                          staleness_mean=sum(u.staleness for u in usage) / max(len(usage), 1),
                          staleness_max=max((u.staleness for u in usage), default=0),
-                         seconds=ctx.clock.now() - start)
+                         seconds=ctx.clock.now() - start, batch=result.batch)
 
 
 @task(name="sync_weights", cache_policy=NO_CACHE)
@@ -78,6 +85,19 @@ def sync_weights(run_dir: str, version: int) -> SyncSummary:
     ray.get([actor(name, ctx.record.namespace).update_weights.remote(weights, version)
              for name in ctx.record.engines])
     return SyncSummary(version=version, seconds=ctx.clock.now() - start)
+
+
+@task(name="push_weights", cache_policy=NO_CACHE)
+def push_weights(run_dir: str, version: int) -> None:
+    """Send the trainer's weights to every engine and return at once (streaming modes).
+
+    The engine loads them between two drain windows; the weights go trainer
+    -> object store -> engine, never through this process.
+    """
+    ctx = context(run_dir)
+    weights = actor(ctx.record.trainer, ctx.record.namespace).export_weights.remote()
+    for name in ctx.record.engines:
+        actor(name, ctx.record.namespace).update_weights.remote(weights, version)
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE)

@@ -105,3 +105,68 @@ def test_transformers_engine_one_step_off_end_to_end(tmp_path: Path) -> None:
     usage = DeltaTable(str(run_dir / "tables/usage")).to_pyarrow_dataset().to_table()
     staleness = dict(zip(usage["trainer_step"].to_pylist(), usage["staleness"].to_pylist()))
     assert staleness == {0: 0, 1: 1, 2: 1}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
+    """`reflow bench` over sync, async and reflow: real runs, bench.json, PNG, buffer rules in the tables."""
+    out = tmp_path / "bench"
+    proc = _run(["bench", "--modes", "sync,async,reflow", "--config", str(REPO / "configs/smoke.toml"),
+                 "--out", str(out), "--set", "run.total_steps=6", "--set", "buffer.max_staleness_versions=1",
+                 "--set", f'model.cache_dir="{tmp_path / "models"}"'], cwd=tmp_path, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    report = json.loads((out / "bench.json").read_text())
+    assert set(report["summary"]) == {"sync", "async", "reflow"}
+    assert (out / "bench.png").stat().st_size > 0
+    for run in report["runs"]:
+        assert run["steps"] == 6 and run["wall_s"] > 0 and run["generated_tokens_per_s"] > 0
+        assert len(run["eval_curve"]) == 4  # warm start + steps 2, 4, 6 (smoke evaluates every 2 steps)
+    for mode in ("sync", "async", "reflow"):
+        assert mode in proc.stdout
+
+    by_mode = {r["mode"]: Path(r["run_dir"]) for r in report["runs"]}
+    for mode in ("async", "reflow"):
+        run_dir = by_mode[mode]
+        rows = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table().to_pylist()
+        usage = DeltaTable(str(run_dir / "tables/usage")).to_pyarrow_dataset().to_table().to_pylist()
+        traj = {r["trajectory_id"]: r for r in rows}
+        assert len(traj) == len(rows), "a trajectory was written twice"
+        assert all(r["policy_version"] == min(r["token_versions"], default=r["policy_version"]) for r in rows)
+        assert {u["trainer_step"] for u in usage} == set(range(6))
+        uses: dict[str, int] = {}
+        for step in range(6):
+            batch = [u for u in usage if u["trainer_step"] == step]
+            tv = batch[0]["trainer_version"]
+            assert tv == step
+            for u in batch:  # the staleness bound, from the oldest token
+                assert 0 <= tv - traj[u["trajectory_id"]]["policy_version"] <= 1
+                assert u["staleness"] == tv - traj[u["trajectory_id"]]["policy_version"]
+            groups: dict[str, int] = {}
+            for u in batch:
+                groups[traj[u["trajectory_id"]]["group_id"]] = groups.get(traj[u["trajectory_id"]]["group_id"], 0) + 1
+            assert set(groups.values()) == {4} and len(groups) == 4  # whole groups of 4, 4 prompts per step
+            replayed = sum(1 for u in batch if uses.get(u["trajectory_id"], 0) > 0)
+            assert replayed <= 0.5 * len(batch) + 1e-9
+            if mode == "async":
+                assert replayed == 0
+            for u in batch:
+                uses[u["trajectory_id"]] = uses.get(u["trajectory_id"], 0) + 1
+        assert max(uses.values()) <= (2 if mode == "reflow" else 1)
+
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.parent / 'mlflow.db'}")
+        run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
+        for key in ("trainer_idle_fraction", "generator_idle_fraction", "staleness_mean", "staleness_max",
+                    "replay_share", "reuse_mean", "fresh_samples", "stale_samples", "replayed_samples",
+                    "concurrency_target", "generated_tokens_per_s", "trained_tokens_per_s"):
+            assert len(client.get_metric_history(run_id, key)) == 6, (mode, key)
+        assert len(client.get_metric_history(run_id, "eval_accuracy")) == 3
+
+    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
+        states = db.execute("SELECT name, state_type FROM flow_run").fetchall()
+        tasks = [name.rsplit("-", 1)[0] for (name,) in db.execute("SELECT name FROM task_run")]
+    assert all(state == "COMPLETED" for _, state in states), states
+    assert tasks.count("write_groups") >= 2 * 6 and tasks.count("push_weights") == 2 * 6

@@ -68,3 +68,15 @@ def test_unreadable_table_path_exits_2(tmp_path: Path) -> None:
     afile.write_text("x")
     proc = _reflow("run", "--set", f'storage.root="{afile}"', cwd=tmp_path)
     assert proc.returncode == 2 and "storage.root" in proc.stderr
+
+
+def test_bench_bad_input_exits_2_and_creates_nothing(tmp_path: Path) -> None:
+    cases = [(["--modes", "sync,warp"], "unknown mode"), (["--seeds", "0,x"], "--seeds"),
+             (["--target-accuracy", "1.5"], "--target-accuracy"),
+             (["--set", "buffer.replay_ratio=2"], "buffer.replay_ratio"),
+             (["--set", "env.eval_prompts=0"], "env.eval_prompts")]
+    for extra, message in cases:
+        proc = _reflow("bench", "--out", "b", *extra, cwd=tmp_path)
+        assert proc.returncode == 2, (extra, proc.stderr)
+        assert message in proc.stderr, (extra, proc.stderr)
+        assert not (tmp_path / "b").exists()

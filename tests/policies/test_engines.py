@@ -69,8 +69,15 @@ VLLM_SCRIPT = textwrap.dedent('''
         torch.save(state, sys.argv[2] + ".pt")
         eng.update_weights(state, version=3)
         second = generate_all(eng, reqs)
-        json.dump({"first": [r.__dict__ for r in first], "second": [r.__dict__ for r in second]},
-                  open(sys.argv[2], "w"))
+        # weights change while requests are in flight: each token keeps the version that sampled it
+        original = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+        eng.submit([GenRequest(f"m{i}", [10 + i, 11, 12], max_tokens=12) for i in range(6)])
+        third = eng.collect(max_steps=4)
+        eng.update_weights(original, version=5)
+        while eng.num_unfinished():
+            third += eng.collect(max_steps=4)
+        rows = lambda rs: [dict(r.__dict__, version=r.version) for r in rs]
+        json.dump({"first": rows(first), "second": rows(second), "third": rows(third)}, open(sys.argv[2], "w"))
     if __name__ == "__main__":
         main()
 ''')
@@ -96,3 +103,17 @@ def test_vllm_engine_logprobs_match_trainer_before_and_after_update(random_model
             prompt = [10 + int(res["request_id"][1:]), 11, 12]
             expected = _trainer_logprobs(random_model_dir, prompt, res["response_tokens"], weights)
             assert torch.allclose(torch.tensor(res["logprobs"]), expected, atol=2e-3), (phase, res["request_id"])
+            assert res["token_versions"] == [version] * len(res["response_tokens"])
+    spanning = 0
+    for res in data["third"]:
+        prompt = [10 + int(res["request_id"][1:]), 11, 12]
+        versions = res["token_versions"]
+        assert len(versions) == len(res["response_tokens"]) == len(res["logprobs"])
+        assert versions == sorted(versions) and set(versions) <= {3, 5}
+        assert res["version"] == min(versions)
+        under = {3: _trainer_logprobs(random_model_dir, prompt, res["response_tokens"], state),
+                 5: _trainer_logprobs(random_model_dir, prompt, res["response_tokens"], None)}
+        expected = torch.stack([under[v][i] for i, v in enumerate(versions)])
+        assert torch.allclose(torch.tensor(res["logprobs"]), expected, atol=2e-3), res["request_id"]
+        spanning += len(set(versions)) == 2
+    assert spanning >= 1, "no request spanned the weight update"

@@ -1,0 +1,66 @@
+"""The benchmark flow: the same workload and seed under each mode, one after another.
+
+Each mode runs as its own ``reflow run`` process (a fresh Ray, engine and
+trainer, nothing warm carried from the previous mode) with
+``eval.deferred`` on; ``infra.bench`` turns the run directories into
+``bench.json``, the table and the accuracy-vs-time PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from reflow.infra import bench
+
+
+@task(name="bench_mode", cache_policy=NO_CACHE)
+def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, out: str) -> str:
+    """Run one mode to completion in a child ``reflow run``; returns its run directory."""
+    runs = Path(out) / "runs" / f"{mode}-s{seed}"
+    if runs.exists() and any(runs.iterdir()):
+        raise RuntimeError(f"{runs} is not empty; choose a new --out")
+    cmd = [sys.executable, "-m", "reflow.infra.cli", "run", "--out", str(runs)]
+    if config:
+        cmd += ["--config", config]
+    for item in [*overrides, f"mode.kind={json.dumps(mode)}", f"run.seed={seed}", "eval.deferred=true",
+                 f"run.name={json.dumps(f'bench-{mode}-s{seed}')}"]:
+        cmd += ["--set", item]
+    print(f"\n=== bench: mode {mode}, seed {seed} ===", flush=True)
+    code = subprocess.call(cmd)
+    if code != 0:
+        raise RuntimeError(f"mode {mode} seed {seed}: reflow run exited with code {code}")
+    dirs = [d for d in runs.iterdir() if (d / "steps.jsonl").exists()]
+    if len(dirs) != 1:
+        raise RuntimeError(f"expected one run directory under {runs}, found {len(dirs)}")
+    return str(dirs[0])
+
+
+@flow(name="bench", log_prints=False)
+def bench_flow(config: str | None, overrides: list[str], modes: list[str], seeds: list[int], out: str,
+               target: float | None) -> dict:
+    """All modes x seeds; writes ``out/bench.json`` and ``out/bench.png``; returns the summary."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    results: list[bench.ModeResult] = []
+    for seed in seeds:
+        for mode in modes:
+            results.append(bench.summarise(mode, seed, bench_mode(config, overrides, mode, seed, out), None))
+    targets: dict[int, float] = {}
+    for seed in seeds:
+        sync = next((r for r in results if r.seed == seed and r.mode == "sync"), None)
+        targets[seed] = target if target is not None else (
+            bench.default_target(sync) if sync else max(r.baseline_accuracy for r in results if r.seed == seed) + 0.1)
+    results = [bench.with_target(r, targets[r.seed]) for r in results]
+    summary = bench.aggregate(results)
+    meta = {"config": config, "overrides": overrides, "modes": modes, "seeds": seeds, "targets": targets,
+            "target_rule": "given" if target is not None else "warm-start + 75% of sync's gain (per seed)"}
+    bench.write_json(Path(out) / "bench.json", results, summary, meta)
+    bench.plot(results, Path(out) / "bench.png")
+    print("\n" + bench.table(summary), flush=True)
+    print(f"\ntargets: {targets}\nbench.json: {Path(out) / 'bench.json'}\nplot: {Path(out) / 'bench.png'}", flush=True)
+    return summary

@@ -1,0 +1,174 @@
+"""Side-by-side figures of the modes: per-run summaries, the table, the PNG.
+
+Every mode runs the same config, workload and seed on the same resources,
+one after another, each in its own ``reflow run`` process, with
+``eval.deferred`` on, so the training clock of every mode excludes
+evaluation and start-up. The time axis is the run's ``elapsed_s``: seconds
+since its first rollout was submitted.
+
+Time to target: the first eval point whose held-out accuracy reaches the
+target, linearly interpolated between it and the previous eval point (the
+warm-start evaluation is the point at t=0). The default target is the
+warm-start accuracy plus 75% of what ``sync`` gained by its end (same seed),
+so "time to target" reads "time to most of sync's improvement".
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from reflow.infra.report import eval_points
+from reflow.infra.run import StepRecord, read_steps
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    """One mode's run, summarised."""
+
+    mode: str
+    seed: int
+    run_dir: str
+    steps: int
+    wall_s: float  # training clock at the last step
+    baseline_accuracy: float
+    final_accuracy: float
+    target_accuracy: float | None
+    time_to_target_s: float | None  # None: never reached
+    generated_tokens_per_s: float  # all tokens generated / wall_s
+    trained_tokens_per_s: float  # all tokens trained on / wall_s
+    trainer_idle: float  # mean over steps
+    generator_idle: float
+    staleness_mean: float
+    replay_share: float
+    eval_curve: list[tuple[float, float]]  # (seconds, held-out accuracy)
+
+
+def _mean(steps: list[StepRecord], key: str) -> float:
+    values = [r.metrics[key] for r in steps if key in r.metrics]
+    return float(statistics.fmean(values)) if values else 0.0
+
+
+def time_to_target(curve: list[tuple[float, float]], target: float) -> float | None:
+    """First time the curve reaches ``target`` (interpolated between eval points)."""
+    for i, (t, acc) in enumerate(curve):
+        if acc >= target:
+            if i == 0:
+                return t
+            t0, a0 = curve[i - 1]
+            return t0 + (t - t0) * (target - a0) / (acc - a0) if acc > a0 else t
+    return None
+
+
+def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None) -> ModeResult:
+    """A run directory's figures (``target`` None: no time-to-target yet)."""
+    steps = read_steps(run_dir)
+    if not steps:
+        raise RuntimeError(f"{run_dir}: no steps were recorded")
+    curve = eval_points(steps)
+    if not curve:
+        raise RuntimeError(f"{run_dir}: no held-out evaluations; set env.eval_prompts > 0")
+    wall = steps[-1].elapsed_s
+    gen = sum(r.metrics.get("generated_tokens", 0.0) for r in steps)
+    trained = sum(r.metrics.get("trained_tokens", 0.0) for r in steps)
+    return ModeResult(
+        mode=mode, seed=seed, run_dir=str(run_dir), steps=len(steps), wall_s=wall, baseline_accuracy=curve[0][1],
+        final_accuracy=curve[-1][1], target_accuracy=target,
+        time_to_target_s=time_to_target(curve, target) if target is not None else None,
+        generated_tokens_per_s=gen / max(wall, 1e-9), trained_tokens_per_s=trained / max(wall, 1e-9),
+        trainer_idle=_mean(steps, "trainer_idle_fraction"), generator_idle=_mean(steps, "generator_idle_fraction"),
+        staleness_mean=_mean(steps, "staleness_mean"), replay_share=_mean(steps, "replay_share"),
+        eval_curve=curve)
+
+
+def default_target(sync: ModeResult, share: float = 0.75) -> float:
+    """Warm-start accuracy plus ``share`` of sync's gain (at least +0.01)."""
+    gain = max(sync.final_accuracy - sync.baseline_accuracy, 0.01)
+    return sync.baseline_accuracy + share * gain
+
+
+def with_target(result: ModeResult, target: float) -> ModeResult:
+    data = asdict(result)
+    data.update(target_accuracy=target, time_to_target_s=time_to_target(result.eval_curve, target))
+    data["eval_curve"] = [tuple(p) for p in data["eval_curve"]]
+    return ModeResult(**data)
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def aggregate(results: list[ModeResult]) -> dict[str, dict]:
+    """Per mode: mean/min/max over seeds of each figure, and speedups of time-to-target."""
+    modes = list(dict.fromkeys(r.mode for r in results))
+    out: dict[str, dict] = {}
+    for mode in modes:
+        rs = [r for r in results if r.mode == mode]
+        reached = [r.time_to_target_s for r in rs if r.time_to_target_s is not None]
+        entry = {key: _spread([getattr(r, key) for r in rs]) for key in
+                 ("final_accuracy", "wall_s", "generated_tokens_per_s", "trained_tokens_per_s", "trainer_idle",
+                  "generator_idle", "staleness_mean", "replay_share")}
+        entry["time_to_target_s"] = _spread(reached) if len(reached) == len(rs) else None
+        entry["seeds_reaching_target"] = len(reached)
+        entry["seeds"] = len(rs)
+        out[mode] = entry
+    ttt = {m: e["time_to_target_s"]["mean"] for m, e in out.items() if e["time_to_target_s"]}
+    for mode, entry in out.items():
+        mine = ttt.get(mode)
+        entry["speedup_vs_sync"] = ttt["sync"] / mine if mine and "sync" in ttt else None
+        others = [t for m, t in ttt.items() if m != mode and m in ("sync", "one_step_off", "async")]
+        entry["speedup_vs_best_baseline"] = min(others) / mine if mine and others and mode == "reflow" else None
+    return out
+
+
+def table(summary: dict[str, dict]) -> str:
+    """The per-mode table printed at the end of ``reflow bench``."""
+    head = (f"{'mode':<13}{'to target s':>12}{'vs sync':>8}{'final acc':>10}{'gen tok/s':>10}{'train tok/s':>12}"
+            f"{'trainer idle':>13}{'gen idle':>9}{'stale':>6}{'replay':>7}")
+    rows = [head, "-" * len(head)]
+    for mode, e in summary.items():
+        t = e["time_to_target_s"]
+        ttt = f"{t['mean']:.0f}" if t else f"{e['seeds_reaching_target']}/{e['seeds']} hit"
+        vs = f"{e['speedup_vs_sync']:.2f}x" if e["speedup_vs_sync"] else "-"
+        rows.append(f"{mode:<13}{ttt:>12}{vs:>8}{e['final_accuracy']['mean']:>10.3f}"
+                    f"{e['generated_tokens_per_s']['mean']:>10.0f}{e['trained_tokens_per_s']['mean']:>12.0f}"
+                    f"{e['trainer_idle']['mean']:>12.0%} {e['generator_idle']['mean']:>8.0%}"
+                    f"{e['staleness_mean']['mean']:>6.2f}{e['replay_share']['mean']:>7.0%}")
+    return "\n".join(rows)
+
+
+def plot(results: list[ModeResult], path: Path) -> Path:
+    """Held-out accuracy against training wall-clock, one colour per mode, one line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colours = dict(zip(dict.fromkeys(r.mode for r in results), plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    labelled: set[str] = set()
+    for r in results:
+        ax.plot([p[0] for p in r.eval_curve], [p[1] for p in r.eval_curve], "o-", color=colours[r.mode], ms=3,
+                alpha=0.85, label=None if r.mode in labelled else r.mode)
+        labelled.add(r.mode)
+    targets = {r.target_accuracy for r in results if r.target_accuracy is not None}
+    for t in targets:
+        ax.axhline(t, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("training wall-clock seconds")
+    ax.set_ylabel("held-out accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("accuracy vs time per mode")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_json(path: Path, results: list[ModeResult], summary: dict, meta: dict) -> Path:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"meta": meta, "summary": summary, "runs": [asdict(r) for r in results]}, indent=2))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,405 @@
+"""The control plane of the streaming modes: a feeder loop, a selector loop, and their controllers.
+
+``async`` and ``reflow`` run two loops at once over one shared ``LoopState``:
+
+* **Feeder** (generators -> score -> buffer): keeps the engine filled with
+  whole GRPO groups up to the concurrency target, steps it in short drain
+  windows, and appends each group to the ``trajectories`` table as soon as
+  all its samples are finished. Scoring and writing the previous window
+  overlap the engine's next window.
+* **Selector** (buffer -> batch -> trainer -> weights -> generators): asks the
+  buffer for a batch (one SQL query, ``storage.replay.select_batch``), trains
+  on it, and pushes the new weights to the engine without waiting: the
+  engine applies them between two drain windows, so the feeder stops only for
+  the load itself, and requests in flight continue with the new weights
+  (every token keeps the version that sampled it).
+
+Back-pressure (``StalenessGate``): the feeder keeps at most
+``(max_staleness_versions + 1) * groups_per_step`` groups *ahead* of the
+trainer: in flight, or written and not yet trained on while still young
+enough to be admissible. When every step consumes ``groups_per_step`` unused
+groups this is AReaL's rule for ``max_head_offpolicyness``
+(``submitted <= (trainer_version + max_staleness_versions + 1) *
+groups_per_step``); counting only admissible groups also covers groups that
+aged out unused (they would otherwise hold the gate shut forever). The cap
+is at least one full batch, so a closed gate with nothing in flight always
+means a full batch of unused groups is waiting (no deadlock). The bound
+itself is enforced by the selection query, which never returns a row older
+than ``trainer_version - max_staleness_versions``.
+
+Selection rule per mode (``SelectorLoop.batch_ready``):
+
+* ``async``: a full batch of ``groups_per_step`` unused groups (no replay);
+  the trainer waits for them otherwise.
+* ``reflow``: a full batch in which replayed groups fill what fresh data
+  lacks, up to ``replay_ratio`` of the samples; so the trainer waits only
+  while fresh data is below ``1 - replay_ratio`` of a batch.
+
+The loops are plain Python against two small backends and a ``Clock``; the
+Prefect flow provides backends made of tasks and Ray actors, the tests
+provide in-process ones and drive ``run_once``/``try_step`` in any order.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from reflow.infra.clock import Clock
+
+
+# --- shared state -----------------------------------------------------------------------------------
+
+@dataclass
+class LoopState:
+    """What the two loops share (guarded by ``cond``)."""
+
+    trainer_version: int = 0
+    groups_submitted: int = 0  # whole groups handed to the engine
+    groups_written: int = 0  # whole groups appended to the trajectories table
+    groups_consumed: int = 0  # unused (fresh or stale) groups trained on
+    groups_expired: int = 0  # written groups that aged out of the window unused (wasted generation)
+    unused: dict[int, int] = field(default_factory=dict)  # written, not trained on: group -> oldest version
+    engine_busy_s: float = 0.0  # engine time spent stepping with requests in flight
+    generated_tokens: int = 0
+    stop: bool = False
+    error: BaseException | None = None  # why a loop stopped the run
+    cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    def set_version(self, version: int) -> None:
+        with self.cond:
+            self.trainer_version = version
+            self.cond.notify_all()
+
+    def admissible_unused(self, max_staleness_versions: int) -> int:
+        """Unused groups still inside the window (call with ``cond`` held); expired ones are dropped."""
+        oldest_ok = self.trainer_version - max_staleness_versions
+        expired = [g for g, v in self.unused.items() if v < oldest_ok]
+        for g in expired:
+            del self.unused[g]
+        self.groups_expired += len(expired)
+        return len(self.unused)
+
+    def request_stop(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+
+
+# --- back-pressure and concurrency ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StalenessGate:
+    """How many more groups the feeder may submit (see the module docstring)."""
+
+    max_staleness_versions: int
+    groups_per_step: int  # unused groups one trainer step consumes
+    batch_groups: int  # groups in one full batch
+
+    @property
+    def cap(self) -> int:
+        """Most groups ahead of the trainer: ``max((S + 1) * groups_per_step, batch_groups)``."""
+        return max((self.max_staleness_versions + 1) * self.groups_per_step, self.batch_groups)
+
+    def allowed(self, ahead: int) -> int:
+        """``cap - ahead``, at least 0; ``ahead``: groups in flight plus admissible unused ones."""
+        return max(0, self.cap - ahead)
+
+
+class ConcurrencyController:
+    """Additive-increase / multiplicative-decrease on measured generation throughput.
+
+    Rule, once per window of at least ``window_s`` engine-busy seconds in which
+    the engine ran at its target (a window limited by the gate says nothing
+    about concurrency and is discarded):
+
+    * throughput at least ``1 + tolerance`` times the previous window's:
+      the last move helped, so ``target += increase`` (keep probing upward);
+    * throughput below ``1 - tolerance`` times the previous window's:
+      ``target = max(minimum, floor(target * decrease))`` (back off: longer
+      responses made each step slower than the extra sequences are worth, or
+      memory pressure preempts requests);
+    * otherwise hold, but probe upward again after ``patience`` flat windows
+      (response lengths drift during RL, so the best setting moves).
+
+    ``target`` stays in ``[minimum, maximum]``. Every decision is returned
+    so the caller can log it.
+    """
+
+    def __init__(self, initial: int, minimum: int, maximum: int, increase: int, decrease: float = 0.75,
+                 tolerance: float = 0.05, window_s: float = 2.0, patience: int = 3) -> None:
+        if not 1 <= minimum <= initial <= maximum:
+            raise ValueError(f"need 1 <= minimum ({minimum}) <= initial ({initial}) <= maximum ({maximum})")
+        if not 0 < decrease < 1:
+            raise ValueError(f"decrease must be in (0, 1), got {decrease}")
+        self.target, self.minimum, self.maximum = initial, minimum, maximum
+        self.increase, self.decrease, self.tolerance = increase, decrease, tolerance
+        self.window_s, self.patience = window_s, patience
+        self._tokens = 0
+        self._seconds = 0.0
+        self._saturated = True
+        self._previous: float | None = None
+        self._flat = 0
+        self.decisions: list[tuple[int, float, str]] = []  # (target after, throughput, reason)
+
+    def observe(self, tokens: int, busy_s: float, saturated: bool) -> int:
+        """Account one drain window; returns the (possibly new) target."""
+        self._tokens += tokens
+        self._seconds += busy_s
+        self._saturated &= saturated
+        if self._seconds < self.window_s:
+            return self.target
+        throughput = self._tokens / self._seconds
+        usable = self._saturated
+        self._tokens, self._seconds, self._saturated = 0, 0.0, True
+        if not usable:
+            return self.target
+        reason = "hold"
+        if self._previous is None or throughput >= self._previous * (1 + self.tolerance):
+            reason = "increase"
+        elif throughput < self._previous * (1 - self.tolerance):
+            reason = "decrease"
+        else:
+            self._flat += 1
+            if self._flat >= self.patience:
+                reason = "probe"
+        if reason in ("increase", "probe"):
+            self.target = min(self.maximum, self.target + self.increase)
+            self._flat = 0
+        elif reason == "decrease":
+            self.target = max(self.minimum, int(math.floor(self.target * self.decrease)))
+            self._flat = 0
+        self._previous = throughput
+        self.decisions.append((self.target, throughput, reason))
+        return self.target
+
+
+# --- feeder -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished sample as the feeder sees it: its group index and the engine's result."""
+
+    group: int
+    result: Any  # policies.engines.GenResult
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Drained:
+    """What one drain window returned."""
+
+    finished: list[Finished]
+    busy_s: float  # engine time spent stepping
+    in_flight: int  # requests still running after the window
+
+
+class FeederBackend(Protocol):
+    """What the feeder drives: an engine that takes whole groups, and the buffer's writer."""
+
+    samples_per_group: int
+
+    def submit(self, groups: Sequence[int]) -> None:
+        """Hand the engine ``samples_per_group`` requests for each group index (prompt ``g`` of the stream)."""
+        ...
+
+    def start_drain(self, window_s: float) -> Any:
+        """Start stepping the engine for about ``window_s``; returns a handle."""
+        ...
+
+    def wait_drain(self, handle: Any) -> Drained: ...
+
+    def write(self, chunk: int, groups: dict[int, list[Finished]]) -> None:
+        """Score whole groups and append them to the buffer as chunk ``chunk`` (idempotent per chunk)."""
+        ...
+
+
+class FeederLoop:
+    """Generators -> score -> buffer, with the staleness gate and adaptive concurrency."""
+
+    def __init__(self, backend: FeederBackend, state: LoopState, gate: StalenessGate,
+                 controller: ConcurrencyController, clock: Clock, window_s: float = 0.25,
+                 idle_poll_s: float = 0.02, max_groups: int | None = None) -> None:
+        self.backend, self.state, self.gate, self.controller, self.clock = backend, state, gate, controller, clock
+        self.window_s, self.idle_poll_s, self.max_groups = window_s, idle_poll_s, max_groups
+        self._next_group = 0
+        self._in_flight = 0  # requests
+        self._partial: dict[int, list[Finished]] = {}
+        self._complete: dict[int, list[Finished]] = {}
+        self._handle: Any = None
+        self._chunk = 0
+        self._written = 0  # groups written
+
+    def _admit(self) -> None:
+        """Submit as many whole groups as the gate and the concurrency target allow."""
+        with self.state.cond:
+            ahead = self.in_flight_groups + self.state.admissible_unused(self.gate.max_staleness_versions)
+            allowed = self.gate.allowed(ahead)
+        room = (self.controller.target - self._in_flight) // self.backend.samples_per_group
+        n = min(allowed, room)
+        if self.max_groups is not None:
+            n = min(n, self.max_groups - self._next_group)
+        if n <= 0:
+            return
+        groups = list(range(self._next_group, self._next_group + n))
+        self.backend.submit(groups)
+        self._next_group += n
+        self._in_flight += n * self.backend.samples_per_group
+        with self.state.cond:
+            self.state.groups_submitted += n
+
+    @property
+    def in_flight_groups(self) -> int:
+        """Groups submitted and not yet written."""
+        return self._next_group - self._written
+
+    def _flush(self) -> None:
+        """Write the groups completed so far (while the engine runs the next window)."""
+        if not self._complete:
+            return
+        groups, self._complete = self._complete, {}
+        self.backend.write(self._chunk, groups)
+        self._chunk += 1
+        self._written += len(groups)
+        with self.state.cond:
+            self.state.groups_written += len(groups)
+            for g, items in groups.items():
+                self.state.unused[g] = min(item.result.version for item in items)
+            self.state.cond.notify_all()
+
+    def run_once(self) -> bool:
+        """One window: collect the last drain, admit groups, start the next drain, write finished groups.
+
+        Returns False when there is nothing to do (nothing in flight and the
+        gate closed); the caller then waits.
+        """
+        if self._handle is not None:
+            drained = self.backend.wait_drain(self._handle)
+            self._handle = None
+            tokens = 0
+            for item in drained.finished:
+                self._partial.setdefault(item.group, []).append(item)
+                tokens += item.tokens
+                if len(self._partial[item.group]) == self.backend.samples_per_group:
+                    self._complete[item.group] = self._partial.pop(item.group)
+            saturated = self._in_flight >= self.controller.target
+            self._in_flight -= len(drained.finished)
+            with self.state.cond:
+                self.state.engine_busy_s += drained.busy_s
+                self.state.generated_tokens += tokens
+            self.controller.observe(tokens, drained.busy_s, saturated)
+        self._admit()
+        if self._in_flight > 0:
+            self._handle = self.backend.start_drain(self.window_s)
+        self._flush()
+        return self._handle is not None
+
+    def run(self) -> None:
+        """Until ``state.stop``: run windows; wait on the state while the gate holds generation back.
+
+        An exception stops both loops (``state.error`` keeps it for the caller).
+        """
+        try:
+            self._run()
+        except BaseException as exc:
+            with self.state.cond:
+                self.state.error = exc
+            self.state.request_stop()
+
+    def _run(self) -> None:
+        while True:
+            with self.state.cond:
+                if self.state.stop:
+                    break
+            if not self.run_once():
+                with self.state.cond:
+                    if not self.state.stop:
+                        self.state.cond.wait(timeout=self.idle_poll_s)
+        if self._handle is not None:  # let the engine finish its window; results are dropped with the run
+            self.backend.wait_drain(self._handle)
+            self._handle = None
+        self._flush()
+
+
+# --- selector -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the selector loop learns from one trainer step."""
+
+    version: int  # trainer version after the step
+    groups: int
+    consumed: tuple[int, ...]  # stream positions of the unused (fresh or stale) groups trained on
+
+    @property
+    def fresh_groups(self) -> int:
+        return len(self.consumed)
+
+
+class SelectorBackend(Protocol):
+    """What the selector drives: the buffer's query, the trainer, the weight push."""
+
+    def select(self, step: int, trainer_version: int) -> Any:
+        """A ``storage.replay.ReplaySelection`` (possibly short or empty)."""
+        ...
+
+    def train(self, step: int, selection: Any) -> StepOutcome: ...
+
+    def push_weights(self, version: int) -> None:
+        """Send the trainer's weights to the engines without waiting for them to load."""
+        ...
+
+
+class SelectorLoop:
+    """Buffer -> batch -> trainer -> new weights -> generators."""
+
+    def __init__(self, backend: SelectorBackend, state: LoopState, groups_per_step: int, clock: Clock,
+                 min_unused_groups: int, poll_s: float = 0.5) -> None:
+        self.backend, self.state, self.groups_per_step, self.clock = backend, state, groups_per_step, clock
+        self.min_unused_groups = min_unused_groups  # a batch needs at least this many unused groups
+        self.poll_s = poll_s
+        self.waited_s = 0.0  # time spent waiting for an admissible batch (trainer idle)
+
+    def batch_ready(self, selection: Any) -> bool:
+        """A full batch of whole groups (the replay share is already capped by the query)."""
+        return len(set(selection.group_ids)) >= self.groups_per_step
+
+    def try_step(self, step: int) -> StepOutcome | None:
+        """Train step ``step`` if a full batch is admissible now; None otherwise."""
+        with self.state.cond:
+            version = self.state.trainer_version
+        selection = self.backend.select(step, version)
+        if not self.batch_ready(selection):
+            return None
+        outcome = self.backend.train(step, selection)
+        with self.state.cond:
+            self.state.groups_consumed += outcome.fresh_groups
+            for g in outcome.consumed:
+                self.state.unused.pop(g, None)
+        self.state.set_version(outcome.version)
+        self.backend.push_weights(outcome.version)
+        return outcome
+
+    def _may_be_ready(self) -> bool:
+        """Cheap pre-check before the query: enough admissible groups written and not yet consumed."""
+        with self.state.cond:
+            return len(self.state.unused) >= self.min_unused_groups
+
+    def run(self, steps: range) -> None:
+        """Train every step of ``steps``; between failed attempts, wait for the feeder to write more."""
+        for step in steps:
+            while True:
+                with self.state.cond:
+                    seen = self.state.groups_written
+                started = self.clock.now()
+                outcome = self.try_step(step) if self._may_be_ready() else None
+                if outcome is not None:
+                    break
+                with self.state.cond:
+                    if self.state.stop:
+                        return
+                    if self.state.groups_written == seen:
+                        self.state.cond.wait(timeout=self.poll_s)
+                self.waited_s += self.clock.now() - started

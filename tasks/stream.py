@@ -1,0 +1,179 @@
+"""Tasks and loop backends of the streaming modes (``async``, ``reflow``).
+
+The control plane (``infra.loops``) drives two backends built here:
+``RayFeeder`` (the engine actor and the ``write_groups`` task) and
+``RaySelector`` (the ``sample_batch``, ``update`` and ``push_weights`` tasks).
+Group ``g`` of the stream is train prompt ``g`` (the same prompts, in the same
+order, that the sync modes use), with request ids ``g<g>/<prompt id>/<k>``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from reflow.infra.loops import ConcurrencyController, Drained, Finished, LoopState, StepOutcome
+from reflow.infra.run import StepRecord
+from reflow.infra.workers import actor
+from reflow.policies.offpolicy import replay_weight
+from reflow.storage.replay import CachedTables, ReplayPolicy, ReplaySelection, select_batch
+from reflow.tasks.context import TaskContext, context, mark_origin, step_clock
+from reflow.tasks.rollout import _record, _requests
+from reflow.tasks.update import UpdateSummary, push_weights, update
+
+
+@dataclass(frozen=True)
+class WriteSummary:
+    chunk: int
+    groups: int
+    samples: int
+    delta_version: int | None  # None: already written by an earlier attempt
+    seconds: float
+
+
+def group_of(request_id: str) -> int:
+    """The stream position ``g`` of a request id ``g<g>/<prompt id>/<k>``."""
+    return int(request_id.split("/", 1)[0].removeprefix("g"))
+
+
+def _stream_position(group_id: str) -> int:
+    """``g`` of a streaming group id ``<run id>/g<g>/<prompt id>``."""
+    return int(group_id.rsplit("/", 2)[1].removeprefix("g"))
+
+
+@task(name="write_groups", cache_policy=NO_CACHE)
+def write_groups(run_dir: str, chunk: int, results: Any) -> WriteSummary:
+    """Score whole groups (a Ray reference to their ``GenResult``s) and append them as chunk ``chunk``.
+
+    The append carries the application transaction ``(run_id:trajectories,
+    chunk)``, so a retried chunk writes nothing twice.
+    """
+    ctx = context(run_dir)
+    start = ctx.clock.now()
+    finished = ray.get(results)
+    groups = sorted({group_of(r.request_id) for r in finished})
+    prompts = {g: ctx.env.prompts("train", start=g, count=1)[0] for g in groups}
+    tokens = dict(zip(groups, ctx.tokenizer([prompts[g].text for g in groups],
+                                            add_special_tokens=False)["input_ids"]))
+    records = [_record(ctx, chunk, prompts[group_of(r.request_id)], list(tokens[group_of(r.request_id)]), r)
+               for r in finished]
+    version = ctx.store.append_trajectories(records, app_id=f"{ctx.record.run_id}:trajectories", txn_version=chunk)
+    return WriteSummary(chunk=chunk, groups=len(groups), samples=len(records), delta_version=version,
+                        seconds=ctx.clock.now() - start)
+
+
+class RayFeeder:
+    """``FeederBackend`` over the run's engine actor and the ``write_groups`` task."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.ctx: TaskContext = context(run_dir)
+        self.engine = actor(self.ctx.record.engines[0], self.ctx.record.namespace)
+        self.samples_per_group = self.ctx.cfg.rollout.samples_per_prompt
+        self.last_write: WriteSummary | None = None
+
+    def submit(self, groups: Sequence[int]) -> None:
+        mark_origin(self.run_dir, self.ctx.clock.now())
+        requests = []
+        for g in groups:
+            prompt = self.ctx.env.prompts("train", start=g, count=1)
+            requests += _requests(self.ctx, prompt, self.samples_per_group, f"g{g}")
+        self.engine.submit.remote(requests)  # actor calls run in order: before the next drain
+
+    def start_drain(self, window_s: float) -> Any:
+        return self.engine.drain.remote(window_s)
+
+    def wait_drain(self, handle: Any) -> Drained:
+        drain = ray.get(handle)
+        return Drained(finished=[Finished(group_of(r.request_id), r, len(r.response_tokens)) for r in drain.results],
+                       busy_s=drain.seconds, in_flight=drain.in_flight)
+
+    def write(self, chunk: int, groups: dict[int, list[Finished]]) -> None:
+        results = [f.result for g in sorted(groups) for f in groups[g]]
+        self.last_write = write_groups(self.run_dir, chunk, ray.put(results))
+
+
+@dataclass
+class SelectorRecord:
+    """Engine counters at the previous step (for per-step rates)."""
+
+    engine_busy_s: float = 0.0
+    generated_tokens: int = 0
+
+
+class RaySelector:
+    """``SelectorBackend`` over the trajectory tables, the trainer actor and the tracking tasks."""
+
+    def __init__(self, run_dir: str, state: LoopState, controller: ConcurrencyController,
+                 on_step: Any, replay: bool) -> None:
+        self.run_dir = run_dir
+        self.ctx = context(run_dir)
+        cfg = self.ctx.cfg
+        b = cfg.buffer
+        self.policy = ReplayPolicy(max_staleness_versions=b.max_staleness_versions,
+                                   replay_ratio=b.replay_ratio if replay else 0.0,
+                                   max_reuse=b.max_reuse if replay else 1, replay_order=b.replay_order)
+        self.weight_fn = (lambda reuse, age: replay_weight(reuse, age, b.reuse_decay, b.staleness_decay))
+        self.tables = CachedTables(self.ctx.store)
+        self.state, self.controller, self.on_step = state, controller, on_step
+        self.seen = SelectorRecord()
+
+    def select(self, step: int, trainer_version: int) -> ReplaySelection:
+        return select_batch(self.tables, self.ctx.record.run_id, trainer_version,
+                            self.ctx.cfg.rollout.prompts_per_step, self.policy, self.weight_fn,
+                            samples_per_prompt=self.ctx.cfg.rollout.samples_per_prompt)
+
+    def train(self, step: int, selection: ReplaySelection) -> StepOutcome:
+        updated = update(self.run_dir, step, selection)
+        consumed = {_stream_position(g) for g, kind in zip(selection.group_ids, selection.kinds) if kind != "replay"}
+        self.on_step(step, selection, updated, self._step_metrics(step, selection, updated))
+        return StepOutcome(version=updated.version, groups=len(set(selection.group_ids)),
+                           consumed=tuple(sorted(consumed)))
+
+    def push_weights(self, version: int) -> None:
+        push_weights(self.run_dir, version)
+
+    def _step_metrics(self, step: int, sel: ReplaySelection, updated: UpdateSummary) -> StepRecord:
+        """Idle fractions, staleness, replay and concurrency of one streaming step."""
+        elapsed, step_s = step_clock(self.run_dir, self.ctx.clock.now())
+        step_s = max(step_s, 1e-9)
+        with self.state.cond:
+            busy, tokens = self.state.engine_busy_s, self.state.generated_tokens
+        busy_d, tokens_d = busy - self.seen.engine_busy_s, tokens - self.seen.generated_tokens
+        self.seen.engine_busy_s, self.seen.generated_tokens = busy, tokens
+        kinds = Counter(sel.kinds)
+        staleness = np.asarray(sel.staleness, dtype=float)
+        reuse = np.asarray(sel.reuse_counts, dtype=float)
+        b = updated.batch
+        m = {
+            "reward_mean": b.reward_mean, "accuracy": b.accuracy, "response_length_mean": b.length_mean,
+            "response_length_p50": b.length_p50, "response_length_p99": b.length_p99,
+            "loss": updated.loss, "kl": updated.kl, "entropy": updated.entropy, "grad_norm": updated.grad_norm,
+            "clip_fraction": updated.clip_fraction, "importance_ratio_mean": updated.ratio_mean,
+            "generated_tokens": float(tokens_d), "trained_tokens": float(updated.trained_tokens),
+            "generated_tokens_per_s": tokens_d / step_s,
+            "engine_tokens_per_s": tokens_d / max(busy_d, 1e-9),
+            "trained_tokens_per_s": updated.trained_tokens / max(updated.trainer_seconds, 1e-9),
+            "step_seconds": step_s, "update_seconds": updated.seconds,
+            "generator_idle_fraction": min(1.0, max(0.0, 1.0 - busy_d / step_s)),
+            "trainer_idle_fraction": min(1.0, max(0.0, 1.0 - updated.trainer_seconds / step_s)),
+            "staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
+            "staleness_max": float(staleness.max()) if staleness.size else 0.0,
+            "replay_share": sel.replay_share, "reuse_mean": float(reuse.mean()) if reuse.size else 0.0,
+            "reuse_max": float(reuse.max()) if reuse.size else 0.0,
+            "fresh_samples": float(kinds["fresh"]), "stale_samples": float(kinds["stale"]),
+            "replayed_samples": float(kinds["replay"]), "concurrency_target": float(self.controller.target),
+            "groups_expired": float(self.state.groups_expired),
+            "policy_version": float(updated.version), "samples": float(len(sel.trajectory_ids)),
+            "usage_delta_version": float(updated.usage_delta_version if updated.usage_delta_version is not None
+                                         else -1),
+        }
+        for age in range(self.policy.max_staleness_versions + 1):
+            m[f"staleness_hist_{age}"] = float(np.sum(staleness == age))
+        return StepRecord(step=step, policy_version=updated.version, elapsed_s=elapsed, metrics=m)

@@ -1,0 +1,73 @@
+"""The benchmark's arithmetic: time to target, default target, speedups, the table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reflow.infra import bench
+from reflow.infra.run import StepRecord, append_step
+
+
+def test_time_to_target_interpolates_between_eval_points() -> None:
+    curve = [(0.0, 0.2), (10.0, 0.3), (20.0, 0.5)]
+    assert bench.time_to_target(curve, 0.4) == pytest.approx(15.0)
+    assert bench.time_to_target(curve, 0.3) == pytest.approx(10.0)
+    assert bench.time_to_target(curve, 0.1) == 0.0
+    assert bench.time_to_target(curve, 0.6) is None
+
+
+def _run(tmp_path: Path, name: str, evals: dict[int, float], seconds_per_step: float, extra: dict) -> Path:
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    for step in range(6):
+        m = {"eval_accuracy_baseline": 0.2, "generated_tokens": 100.0, "trained_tokens": 50.0, **extra}
+        if step in evals:
+            m["eval_accuracy"] = evals[step]
+        append_step(run_dir, StepRecord(step=step, policy_version=step + 1, elapsed_s=(step + 1) * seconds_per_step,
+                                        metrics=m))
+    return run_dir
+
+
+def test_summaries_targets_and_speedups(tmp_path: Path) -> None:
+    sync = bench.summarise("sync", 0, _run(tmp_path, "s", {2: 0.3, 5: 0.6}, 10.0,
+                                           {"trainer_idle_fraction": 0.5}), None)
+    assert sync.wall_s == 60.0 and sync.generated_tokens_per_s == pytest.approx(600 / 60)
+    assert sync.eval_curve == [(0.0, 0.2), (30.0, 0.3), (60.0, 0.6)]
+    target = bench.default_target(sync)
+    assert target == pytest.approx(0.2 + 0.75 * 0.4)  # 0.5
+    fast = bench.summarise("reflow", 0, _run(tmp_path, "r", {2: 0.5, 5: 0.6}, 5.0,
+                                             {"trainer_idle_fraction": 0.1, "replay_share": 0.4}), None)
+    mid = bench.summarise("async", 0, _run(tmp_path, "a", {2: 0.4, 5: 0.6}, 6.0, {}), None)
+    results = [bench.with_target(r, target) for r in (sync, mid, fast)]
+    assert results[0].time_to_target_s == pytest.approx(30 + 30 * (0.2 / 0.3))  # 50 s
+    assert results[2].time_to_target_s == pytest.approx(15.0)
+    summary = bench.aggregate(results)
+    assert summary["reflow"]["speedup_vs_sync"] == pytest.approx(50 / 15)
+    # best baseline: async reaches 0.5 at 18 + 18 * (0.1 / 0.2) = 27 s
+    assert summary["reflow"]["speedup_vs_best_baseline"] == pytest.approx(27 / 15)
+    assert summary["reflow"]["replay_share"]["mean"] == pytest.approx(0.4)
+    text = bench.table(summary)
+    assert "reflow" in text and "3.33x" in text
+    path = bench.write_json(tmp_path / "bench.json", results, summary, {"seeds": [0]})
+    assert path.read_text().count('"mode"') == 3
+
+
+def test_a_mode_that_never_reaches_the_target(tmp_path: Path) -> None:
+    slow = bench.summarise("sync", 0, _run(tmp_path, "s", {5: 0.25}, 10.0, {}), 0.5)
+    assert slow.time_to_target_s is None
+    summary = bench.aggregate([slow])
+    assert summary["sync"]["time_to_target_s"] is None and summary["sync"]["seeds_reaching_target"] == 0
+    assert "0/1 hit" in bench.table(summary)
+
+
+def test_summarise_rejects_runs_without_steps_or_evals(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RuntimeError, match="no steps"):
+        bench.summarise("sync", 0, tmp_path / "empty", None)
+    run_dir = tmp_path / "noeval"
+    run_dir.mkdir()
+    append_step(run_dir, StepRecord(step=0, policy_version=1, elapsed_s=1.0, metrics={}))
+    with pytest.raises(RuntimeError, match="no held-out"):
+        bench.summarise("sync", 0, run_dir, None)

@@ -1,0 +1,200 @@
+"""The streaming control plane against an in-process engine and trainer, over a real Delta buffer."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from reflow.infra.clock import VirtualClock
+from reflow.infra.loops import (ConcurrencyController, Drained, FeederLoop, Finished, LoopState, SelectorLoop,
+                                StalenessGate, StepOutcome)
+from reflow.policies.engines import GenResult
+from reflow.storage.delta_store import DeltaTrajectoryStore
+from reflow.storage.replay import CachedTables, ReplayPolicy, ReplaySelection, recorded_batch, select_batch
+from reflow.storage.schema import Trajectory
+
+RUN = "run"
+
+
+def test_gate_caps_groups_ahead_of_the_trainer() -> None:
+    gate = StalenessGate(max_staleness_versions=2, groups_per_step=4, batch_groups=4)
+    assert gate.cap == 12  # AReaL: (S + 1) * groups per step
+    assert gate.allowed(ahead=0) == 12 and gate.allowed(ahead=10) == 2 and gate.allowed(ahead=20) == 0
+    # reflow consumes 2 fresh groups per step of 8: the cap never drops below a full batch
+    assert StalenessGate(max_staleness_versions=0, groups_per_step=2, batch_groups=8).cap == 8
+
+
+def test_expired_groups_leave_the_gate() -> None:
+    state = LoopState(trainer_version=5)
+    state.unused.update({1: 2, 2: 3, 3: 5})
+    assert state.admissible_unused(max_staleness_versions=2) == 2  # group 1 (version 2) aged out
+    assert state.groups_expired == 1 and set(state.unused) == {2, 3}
+
+
+def test_controller_increases_then_backs_off_and_ignores_unsaturated_windows() -> None:
+    ctl = ConcurrencyController(initial=64, minimum=32, maximum=160, increase=32, decrease=0.5, window_s=1.0)
+    assert ctl.observe(tokens=1000, busy_s=1.0, saturated=True) == 96  # first window: probe up
+    assert ctl.observe(tokens=1500, busy_s=1.0, saturated=True) == 128  # +50%: keep going
+    assert ctl.observe(tokens=3000, busy_s=1.0, saturated=False) == 128  # limited by the gate: no decision
+    assert ctl.observe(tokens=1700, busy_s=1.0, saturated=True) == 160  # +13%
+    assert ctl.observe(tokens=1000, busy_s=1.0, saturated=True) == 80  # -41%: halve
+    assert ctl.observe(tokens=200, busy_s=0.5, saturated=True) == 80  # window not full yet
+    assert ctl.observe(tokens=200, busy_s=0.5, saturated=True) == 40  # 400 tok/s: down again
+    assert ctl.observe(tokens=10, busy_s=1.0, saturated=True) == 32  # floor
+    assert [d[2] for d in ctl.decisions] == ["increase", "increase", "increase", "decrease", "decrease", "decrease"]
+
+
+def test_controller_probes_after_flat_windows_and_checks_bounds() -> None:
+    ctl = ConcurrencyController(initial=64, minimum=32, maximum=96, increase=32, window_s=1.0, patience=2)
+    ctl.observe(1000, 1.0, True)  # -> 96
+    ctl.observe(1000, 1.0, True)  # flat
+    assert ctl.observe(1000, 1.0, True) == 96  # probe, capped at the maximum
+    assert ctl.decisions[-1][2] == "probe"
+    with pytest.raises(ValueError, match="minimum"):
+        ConcurrencyController(initial=8, minimum=16, maximum=32, increase=1)
+
+
+class FakeEngine:
+    """Finishes a random share of what is in flight each window; tokens carry the version that sampled them."""
+
+    def __init__(self, rng: random.Random, samples: int) -> None:
+        self.rng, self.samples_per_group = rng, samples
+        self.version = 0
+        self.in_flight: dict[str, list[int]] = {}  # request id -> token versions so far
+        self.pending_weights: list[int] = []  # pushed but not loaded yet (loads between windows)
+        self.written: list[Trajectory] = []
+
+    def submit(self, groups) -> None:
+        for g in groups:
+            for k in range(self.samples_per_group):
+                self.in_flight[f"g{g}/p{g}/{k}"] = []
+
+    def start_drain(self, window_s: float):
+        if self.pending_weights:
+            self.version = max(self.pending_weights)
+            self.pending_weights.clear()
+        return window_s
+
+    def wait_drain(self, handle) -> Drained:
+        finished = []
+        for rid, versions in list(self.in_flight.items()):
+            versions.append(self.version)
+            if self.rng.random() < 0.4:
+                del self.in_flight[rid]
+                result = GenResult(rid, [5] * len(versions), [-0.1] * len(versions), "stop", versions, versions[0])
+                finished.append(Finished(int(rid.split("/")[0][1:]), result, len(versions)))
+        return Drained(finished, busy_s=0.1, in_flight=len(self.in_flight))
+
+
+class FakeFeeder(FakeEngine):
+    def __init__(self, rng: random.Random, samples: int, store: DeltaTrajectoryStore) -> None:
+        super().__init__(rng, samples)
+        self.store = store
+
+    def write(self, chunk: int, groups) -> None:
+        records = []
+        for g, items in groups.items():
+            for item in items:
+                r = item.result
+                k = int(r.request_id.rsplit("/", 1)[1])
+                records.append(Trajectory(
+                    trajectory_id=f"{RUN}/{r.request_id}", run_id=RUN, prompt_id=f"p{g}", group_id=f"{RUN}/g{g}",
+                    sample_index=k, env="arith", rollout_step=chunk, policy_version=r.version, prompt_tokens=[1],
+                    response_tokens=r.response_tokens, behaviour_logprobs=r.logprobs, token_versions=r.token_versions,
+                    loss_mask=[1] * len(r.response_tokens), reward=float(self.rng.random() < 0.5), correct=False,
+                    finish_reason="stop", response_length=len(r.response_tokens)))
+        self.store.append_trajectories(records, app_id=f"{RUN}:trajectories", txn_version=chunk)
+        self.written += records
+
+
+class FakeSelector:
+    def __init__(self, store: DeltaTrajectoryStore, engine: FakeEngine, policy: ReplayPolicy, groups: int,
+                 samples: int) -> None:
+        self.store, self.engine, self.policy, self.groups, self.samples = store, engine, policy, groups, samples
+        self.tables = CachedTables(store)
+        self.version = 0
+        self.batches: dict[int, ReplaySelection] = {}
+
+    def select(self, step: int, trainer_version: int) -> ReplaySelection:
+        return select_batch(self.tables, RUN, trainer_version, self.groups, self.policy,
+                            lambda reuse, age: 0.5**reuse * 0.9**age, samples_per_prompt=self.samples)
+
+    def train(self, step: int, selection: ReplaySelection) -> StepOutcome:
+        self.store.append_usage(selection.usage_rows(RUN, step), app_id=f"{RUN}:usage", txn_version=step)
+        self.batches[step] = selection
+        self.version += 1
+        fresh = {int(g.rsplit("/g", 1)[1]) for g, k in zip(selection.group_ids, selection.kinds) if k != "replay"}
+        return StepOutcome(version=self.version, groups=len(set(selection.group_ids)), consumed=tuple(sorted(fresh)))
+
+    def push_weights(self, version: int) -> None:
+        self.engine.pending_weights.append(version)
+
+
+@pytest.mark.parametrize("seed,replay,stale", [(0, False, 1), (1, True, 1), (2, True, 1), (3, True, 0),
+                                               (4, False, 0)])
+def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed: int, replay: bool,
+                                                           stale: int) -> None:
+    """Feeder windows and selector attempts in random order: every batch obeys every bound, and nothing stalls."""
+    rng = random.Random(seed)
+    groups, samples = 3, 4
+    policy = ReplayPolicy(max_staleness_versions=stale, replay_ratio=0.5 if replay else 0.0,
+                          max_reuse=2 if replay else 1)
+    store = DeltaTrajectoryStore(str(tmp_path / "tables"))
+    state = LoopState()
+    fresh_per_step = 2 if replay else groups
+    engine = FakeFeeder(rng, samples, store)
+    controller = ConcurrencyController(initial=16, minimum=4, maximum=32, increase=4, window_s=0.3)
+    gate = StalenessGate(stale, fresh_per_step, groups)
+    feeder = FeederLoop(engine, state, gate, controller, VirtualClock())
+    trainer = FakeSelector(store, engine, policy, groups, samples)
+    selector = SelectorLoop(trainer, state, groups, VirtualClock(), min_unused_groups=fresh_per_step)
+    step = 0
+    for _ in range(120):
+        if rng.random() < 0.6:
+            feeder.run_once()
+        elif selector.try_step(step) is not None:
+            step += 1
+        # the gate's bound on groups ahead of the trainer (in flight + admissible unused)
+        assert feeder.in_flight_groups + state.admissible_unused(stale) <= gate.cap
+        if not replay and state.groups_expired == 0:  # AReaL's form of the same bound
+            assert state.groups_submitted <= (trainer.version + stale + 1) * fresh_per_step
+    assert step >= 6, "the schedule should keep training (no deadlock between the loops)"
+
+    written = {r.trajectory_id: r for r in engine.written}
+    uses: Counter[str] = Counter()
+    for s in range(step):
+        sel = trainer.batches[s]
+        tv = sel.trainer_version
+        members = defaultdict(list)
+        for tid, gid, kind, w in zip(sel.trajectory_ids, sel.group_ids, sel.kinds, sel.loss_weights):
+            row = written[tid]
+            assert 0 <= tv - min(row.token_versions) <= stale, "staleness bound violated"
+            assert row.policy_version == min(row.token_versions)
+            assert uses[tid] < policy.max_reuse, "reuse cap violated"
+            assert (kind == "replay") == (uses[tid] > 0)
+            members[gid].append(tid)
+        assert all(len(m) == samples for m in members.values()), "a GRPO group was split"
+        assert len(members) == groups
+        assert sel.replay_share <= policy.replay_ratio + 1e-9
+        assert recorded_batch(store, RUN, s) == dict(zip(sel.trajectory_ids, sel.loss_weights))
+        uses.update(sel.trajectory_ids)
+    if replay and stale > 0:  # at S = 0 nothing already trained on is still admissible
+        assert any(trainer.batches[s].replay_share > 0 for s in range(step)), "replay never filled a batch"
+
+
+def test_feeder_failure_stops_the_selector(tmp_path: Path) -> None:
+    class Broken(FakeEngine):
+        def write(self, chunk, groups):
+            raise OSError("disk full")
+
+    state = LoopState()
+    engine = Broken(random.Random(0), 2)
+    feeder = FeederLoop(engine, state, StalenessGate(1, 1, 1), ConcurrencyController(4, 2, 4, 1), VirtualClock())
+    feeder.run()  # returns once the error stopped the loops
+    assert state.stop and isinstance(state.error, OSError)
+    selector = SelectorLoop(FakeSelector(DeltaTrajectoryStore(str(tmp_path)), engine,
+                                         ReplayPolicy(1, 0.0, 1), 1, 2), state, 1, VirtualClock(), 1)
+    selector.run(range(3))  # returns at once: the run is stopping
