@@ -19,6 +19,14 @@ from prefect.cache_policies import NO_CACHE
 from reflow.infra import bench
 
 
+# Bench rows that are a mode plus a rollout scheduling (SortedRL rows run in sync mode).
+ROWS: dict[str, tuple[str, str]] = {
+    "sync": ("sync", "plain"), "one_step_off": ("one_step_off", "plain"), "async": ("async", "plain"),
+    "reflow": ("reflow", "plain"), "sorted_on_policy": ("sync", "sorted_on_policy"),
+    "sorted_partial": ("sync", "sorted_partial"),
+}
+
+
 @task(name="bench_mode", cache_policy=NO_CACHE)
 def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, out: str) -> str:
     """Run one mode to completion in a child ``reflow run``; returns its run directory."""
@@ -28,7 +36,9 @@ def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, o
     cmd = [sys.executable, "-m", "reflow.infra.cli", "run", "--out", str(runs)]
     if config:
         cmd += ["--config", config]
-    for item in [*overrides, f"mode.kind={json.dumps(mode)}", f"run.seed={seed}", "eval.deferred=true",
+    kind, scheduling = ROWS[mode]
+    for item in [*overrides, f"mode.kind={json.dumps(kind)}", f"rollout.scheduling={json.dumps(scheduling)}",
+                 f"run.seed={seed}", "eval.deferred=true",
                  f"run.name={json.dumps(f'bench-{mode}-s{seed}')}"]:
         cmd += ["--set", item]
     print(f"\n=== bench: mode {mode}, seed {seed} ===", flush=True)

@@ -33,6 +33,7 @@ from reflow.tasks.lifecycle import (RunOutcome, abort_generation, evaluate_snaps
                                     teardown, track)
 from reflow.tasks.metrics import step_metrics
 from reflow.tasks.rollout import evaluate, rollout, score
+from reflow.tasks.sorted import sorted_round
 from reflow.tasks.stream import RayFeeder, RaySelector
 from reflow.tasks.update import checkpoint, sync_weights, update
 
@@ -71,13 +72,14 @@ def _after_step(cfg: ReflowConfig, run_dir: str, step: int, version: int, snapsh
 
 
 def _rounds(cfg: ReflowConfig, run_dir: str, baseline) -> list:
-    """``sync`` and ``one_step_off``: one rollout round per step."""
+    """``sync`` and ``one_step_off``: one rollout round per step (a SortedRL round when scheduling says so)."""
     total, overlap = cfg.run.total_steps, cfg.mode.kind == "one_step_off"
+    sorted_rounds = cfg.rollout.scheduling != "plain"
     snapshots: list = []
-    handle = rollout(run_dir, 0)
+    handle = None if sorted_rounds else rollout(run_dir, 0)
     for step in range(total):
         last = step == total - 1
-        scored = score(run_dir, handle)
+        scored = sorted_round(run_dir, step) if sorted_rounds else score(run_dir, handle)
         if overlap and not last:
             handle = rollout(run_dir, step + 1)
         updated = update(run_dir, step)
@@ -86,7 +88,7 @@ def _rounds(cfg: ReflowConfig, run_dir: str, baseline) -> list:
         evaluated = evaluate(run_dir, step) if inline_eval else None
         track(run_dir, step_metrics(run_dir, scored, updated, synced, evaluated, baseline))
         _after_step(cfg, run_dir, step, updated.version, snapshots if cfg.eval.deferred else [])
-        if not overlap and not last:
+        if not overlap and not last and not sorted_rounds:
             handle = rollout(run_dir, step + 1)
     return snapshots
 
@@ -103,7 +105,8 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline) -> list:
     controller = ConcurrencyController(c.initial_sequences, minimum, maximum, c.increase, c.decrease,
                                        window_s=c.window_s)
     feeder = FeederLoop(RayFeeder(run_dir), state, StalenessGate(b.max_staleness_versions, fresh_per_step, groups),
-                        controller, clock, window_s=b.drain_window_s)
+                        controller, clock, window_s=b.drain_window_s,
+                        write_min_groups=max(1, fresh_per_step // 4))
     snapshots: list = []
 
     def on_step(step, selection, updated, record) -> None:

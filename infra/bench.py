@@ -43,6 +43,7 @@ class ModeResult:
     generator_idle: float
     staleness_mean: float
     replay_share: float
+    bubble_ratio: float  # rounds' idle engine slot-time share (sync-style rows)
     eval_curve: list[tuple[float, float]]  # (seconds, held-out accuracy)
 
 
@@ -80,7 +81,7 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None) -
         generated_tokens_per_s=gen / max(wall, 1e-9), trained_tokens_per_s=trained / max(wall, 1e-9),
         trainer_idle=_mean(steps, "trainer_idle_fraction"), generator_idle=_mean(steps, "generator_idle_fraction"),
         staleness_mean=_mean(steps, "staleness_mean"), replay_share=_mean(steps, "replay_share"),
-        eval_curve=curve)
+        bubble_ratio=_mean(steps, "rollout_bubble_ratio"), eval_curve=curve)
 
 
 def default_target(sync: ModeResult, share: float = 0.75) -> float:
@@ -109,7 +110,7 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
         reached = [r.time_to_target_s for r in rs if r.time_to_target_s is not None]
         entry = {key: _spread([getattr(r, key) for r in rs]) for key in
                  ("final_accuracy", "wall_s", "generated_tokens_per_s", "trained_tokens_per_s", "trainer_idle",
-                  "generator_idle", "staleness_mean", "replay_share")}
+                  "generator_idle", "staleness_mean", "replay_share", "bubble_ratio")}
         entry["time_to_target_s"] = _spread(reached) if len(reached) == len(rs) else None
         entry["seeds_reaching_target"] = len(reached)
         entry["seeds"] = len(rs)
@@ -120,22 +121,26 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
         entry["speedup_vs_sync"] = ttt["sync"] / mine if mine and "sync" in ttt else None
         others = [t for m, t in ttt.items() if m != mode and m in ("sync", "one_step_off", "async")]
         entry["speedup_vs_best_baseline"] = min(others) / mine if mine and others and mode == "reflow" else None
+        if "sync" in out:
+            entry["generated_tokens_per_s_vs_sync"] = (entry["generated_tokens_per_s"]["mean"]
+                                                       / max(out["sync"]["generated_tokens_per_s"]["mean"], 1e-9))
     return out
 
 
 def table(summary: dict[str, dict]) -> str:
     """The per-mode table printed at the end of ``reflow bench``."""
-    head = (f"{'mode':<13}{'to target s':>12}{'vs sync':>8}{'final acc':>10}{'gen tok/s':>10}{'train tok/s':>12}"
-            f"{'trainer idle':>13}{'gen idle':>9}{'stale':>6}{'replay':>7}")
+    head = (f"{'mode':<17}{'to target s':>12}{'vs sync':>8}{'final acc':>10}{'gen tok/s':>10}{'train tok/s':>12}"
+            f"{'trainer idle':>13}{'gen idle':>9}{'stale':>6}{'replay':>7}{'bubble':>7}")
     rows = [head, "-" * len(head)]
     for mode, e in summary.items():
         t = e["time_to_target_s"]
         ttt = f"{t['mean']:.0f}" if t else f"{e['seeds_reaching_target']}/{e['seeds']} hit"
         vs = f"{e['speedup_vs_sync']:.2f}x" if e["speedup_vs_sync"] else "-"
-        rows.append(f"{mode:<13}{ttt:>12}{vs:>8}{e['final_accuracy']['mean']:>10.3f}"
+        rows.append(f"{mode:<17}{ttt:>12}{vs:>8}{e['final_accuracy']['mean']:>10.3f}"
                     f"{e['generated_tokens_per_s']['mean']:>10.0f}{e['trained_tokens_per_s']['mean']:>12.0f}"
                     f"{e['trainer_idle']['mean']:>12.0%} {e['generator_idle']['mean']:>8.0%}"
-                    f"{e['staleness_mean']['mean']:>6.2f}{e['replay_share']['mean']:>7.0%}")
+                    f"{e['staleness_mean']['mean']:>6.2f}{e['replay_share']['mean']:>7.0%}"
+                    f"{e['bubble_ratio']['mean']:>7.0%}")
     return "\n".join(rows)
 
 

@@ -97,6 +97,21 @@ class RolloutConfig(_Section):
     max_concurrent_sequences: int = Field(256, ge=1, le=65_536, description="Engine's max running sequences.")
     kv_cache_gib: int = Field(1, ge=1, le=1024, description="vLLM CPU KV-cache size in GiB "
                                                          "(VLLM_CPU_KVCACHE_SPACE).")
+    scheduling: Literal["plain", "sorted_on_policy", "sorted_partial"] = Field(
+        "plain", description="Length-aware rounds (SortedRL; mode sync): 'plain' generates exactly one batch per "
+        "round; 'sorted_on_policy' oversubscribes the engine, ends the round once one batch of groups is done, "
+        "trains the shortest groups first and drops unfinished ones (prompts re-queued); 'sorted_partial' keeps "
+        "unfinished responses in the rollout cache and resumes them next round, each token keeping its own "
+        "log-prob and version. The streaming modes always resume partial responses across updates.")
+    oversubscription: float = Field(2.0, ge=1.0, le=16.0, description="Sorted rounds: groups in flight per round "
+                                    "as a multiple of prompts_per_step (cached ones included).")
+    early_stop: Literal["groups", "tokens"] = Field(
+        "groups", description="Sorted rounds end when prompts_per_step groups are complete ('groups') or when "
+        "round_tokens tokens were generated with at least one group complete ('tokens').")
+    round_tokens: int = Field(0, ge=0, le=100_000_000, description="Sorted rounds with early_stop='tokens': "
+                              "tokens per round.")
+    max_aborts: int = Field(2, ge=1, le=100, description="Sorted rounds: a prompt left incomplete this many "
+                            "rounds is pinned (the next round waits for it), so no prompt starves.")
     enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts in seconds; for tiny "
                                                      "models on CPU eager decoding was as fast as compiled).")
 
@@ -218,6 +233,14 @@ class ReflowConfig(_Section):
                     "rollout.max_response_tokens plus the longest arith prompt "
                     f"({longest_prompt} tokens) exceeds model.tiny.max_position_embeddings "
                     f"({self.model.tiny.max_position_embeddings}); lower one or raise the other")
+        r = self.rollout
+        if r.scheduling != "plain" and self.mode.kind != "sync":
+            if not (r.scheduling == "sorted_partial" and self.mode.kind in ("async", "reflow")):
+                raise ValueError(f"rollout.scheduling={r.scheduling!r} needs mode.kind='sync' (the streaming modes "
+                                 "already resume partial responses across updates: use 'sorted_partial' or 'plain' "
+                                 "there)")
+        if r.scheduling != "plain" and r.early_stop == "tokens" and r.round_tokens == 0:
+            raise ValueError("rollout.early_stop='tokens' needs rollout.round_tokens > 0")
         c = self.concurrency
         if not c.min_sequences <= c.initial_sequences <= self.rollout.max_concurrent_sequences:
             raise ValueError(f"need concurrency.min_sequences ({c.min_sequences}) <= concurrency.initial_sequences "

@@ -15,17 +15,20 @@
   (every token keeps the version that sampled it).
 
 Back-pressure (``StalenessGate``): the feeder keeps at most
-``(max_staleness_versions + 1) * groups_per_step`` groups *ahead* of the
-trainer: in flight, or written and not yet trained on while still young
-enough to be admissible. When every step consumes ``groups_per_step`` unused
-groups this is AReaL's rule for ``max_head_offpolicyness``
-(``submitted <= (trainer_version + max_staleness_versions + 1) *
-groups_per_step``); counting only admissible groups also covers groups that
-aged out unused (they would otherwise hold the gate shut forever). The cap
-is at least one full batch, so a closed gate with nothing in flight always
-means a full batch of unused groups is waiting (no deadlock). The bound
-itself is enforced by the selection query, which never returns a row older
-than ``trainer_version - max_staleness_versions``.
+``max(max_staleness_versions, 1) * groups_per_step`` groups *ahead* of the
+trainer (and at least one full batch): in flight, or written and not yet
+trained on while still young enough to be admissible. This is AReaL's rule
+for ``max_head_offpolicyness`` (``submitted <= (trainer_version +
+max_staleness_versions + 1) * groups_per_step``) with one version of slack:
+a group's version is its oldest token's, and the engine loads new weights a
+moment after the trainer makes them, so a group admitted at trainer version
+``t`` may start at ``t - 1``; without the slack a steady share of groups
+would age out unused. Counting only admissible groups also covers groups
+that do age out (they would otherwise hold the gate shut forever), and the
+one-batch floor means a closed gate with nothing in flight always leaves a
+full batch of unused groups waiting (no deadlock). The bound itself is
+enforced by the selection query, which never returns a row older than
+``trainer_version - max_staleness_versions``.
 
 Selection rule per mode (``SelectorLoop.batch_ready``):
 
@@ -100,8 +103,8 @@ class StalenessGate:
 
     @property
     def cap(self) -> int:
-        """Most groups ahead of the trainer: ``max((S + 1) * groups_per_step, batch_groups)``."""
-        return max((self.max_staleness_versions + 1) * self.groups_per_step, self.batch_groups)
+        """Most groups ahead of the trainer: ``max(max(S, 1) * groups_per_step, batch_groups)``."""
+        return max(max(self.max_staleness_versions, 1) * self.groups_per_step, self.batch_groups)
 
     def allowed(self, ahead: int) -> int:
         """``cap - ahead``, at least 0; ``ahead``: groups in flight plus admissible unused ones."""
@@ -221,9 +224,13 @@ class FeederLoop:
 
     def __init__(self, backend: FeederBackend, state: LoopState, gate: StalenessGate,
                  controller: ConcurrencyController, clock: Clock, window_s: float = 0.25,
-                 idle_poll_s: float = 0.02, max_groups: int | None = None) -> None:
+                 idle_poll_s: float = 0.02, max_groups: int | None = None, write_min_groups: int = 1,
+                 write_max_wait_s: float = 1.0) -> None:
         self.backend, self.state, self.gate, self.controller, self.clock = backend, state, gate, controller, clock
         self.window_s, self.idle_poll_s, self.max_groups = window_s, idle_poll_s, max_groups
+        # Fewer, larger appends: a Delta commit per window would leave thousands of small files.
+        self.write_min_groups, self.write_max_wait_s = write_min_groups, write_max_wait_s
+        self._last_write = clock.now()
         self._next_group = 0
         self._in_flight = 0  # requests
         self._partial: dict[int, list[Finished]] = {}
@@ -255,10 +262,18 @@ class FeederLoop:
         """Groups submitted and not yet written."""
         return self._next_group - self._written
 
-    def _flush(self) -> None:
-        """Write the groups completed so far (while the engine runs the next window)."""
+    def _flush(self, force: bool = False) -> None:
+        """Write the groups completed so far (while the engine runs the next window).
+
+        Waits for ``write_min_groups`` complete groups, or ``write_max_wait_s``
+        since the last write, unless ``force``.
+        """
         if not self._complete:
             return
+        waited = self.clock.now() - self._last_write
+        if not force and len(self._complete) < self.write_min_groups and waited < self.write_max_wait_s:
+            return
+        self._last_write = self.clock.now()
         groups, self._complete = self._complete, {}
         self.backend.write(self._chunk, groups)
         self._chunk += 1
@@ -320,7 +335,7 @@ class FeederLoop:
         if self._handle is not None:  # let the engine finish its window; results are dropped with the run
             self.backend.wait_drain(self._handle)
             self._handle = None
-        self._flush()
+        self._flush(force=True)
 
 
 # --- selector -------------------------------------------------------------------------------------------

@@ -32,16 +32,22 @@ class EngineWorker:
 
         torch.set_num_threads(settings.threads)
         self.engine = make_engine(kind, settings, version)
+        self.max_sequences = settings.max_concurrent_sequences
 
     def generate(self, requests: Sequence[Any]) -> Any:
-        """All ``requests`` to completion, as a ``GenBatch`` (results + engine seconds)."""
+        """All ``requests`` to completion, as a ``GenBatch`` (results, engine seconds, slot-time)."""
         import time
 
-        from reflow.policies.engines import GenBatch, generate_all
+        from reflow.policies.engines import GenBatch, SlotMeter
 
         start = time.perf_counter()  # engine-side busy time, reported to the control plane
-        results = generate_all(self.engine, requests)
-        return GenBatch(results=results, seconds=time.perf_counter() - start)
+        meter = SlotMeter(self.engine, self.max_sequences)
+        self.engine.submit(requests)
+        results = []
+        while self.engine.num_unfinished():
+            results.extend(meter.collect(max_steps=4))
+        return GenBatch(results=results, seconds=time.perf_counter() - start,
+                        busy_slot_seconds=meter.busy_slot_seconds, slots=min(len(requests), self.max_sequences))
 
     def submit(self, requests: Sequence[Any]) -> int:
         """Queue ``requests`` in the running engine (streaming modes); returns the number in flight."""
@@ -52,13 +58,15 @@ class EngineWorker:
         """Step the engine for about ``window_s`` seconds; a ``Drain`` of what finished meanwhile."""
         import time
 
-        from reflow.policies.engines import Drain
+        from reflow.policies.engines import Drain, SlotMeter
 
         start = time.perf_counter()
+        meter = SlotMeter(self.engine, self.max_sequences)
         results = []
         while self.engine.num_unfinished() and time.perf_counter() - start < window_s:
-            results.extend(self.engine.collect(max_steps=4))
-        return Drain(results=results, seconds=time.perf_counter() - start, in_flight=self.engine.num_unfinished())
+            results.extend(meter.collect(max_steps=2))
+        return Drain(results=results, seconds=time.perf_counter() - start, in_flight=self.engine.num_unfinished(),
+                     busy_slot_seconds=meter.busy_slot_seconds)
 
     def abort(self, request_ids: Sequence[str] | None = None) -> list[Any]:
         """Abort the named requests (all in flight when None); their partial results."""
@@ -117,14 +125,22 @@ class TrainerWorker:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.store_root = store_root
+        self.store = None
         self.trainer = Trainer(model_dir, cfg.train, cfg.run.seed, device=device, dtype=cfg.model.dtype)
 
-    def train(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float]) -> Any:
-        """One step on the named trajectories (advantages computed per whole GRPO group)."""
+    def train(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float],
+              versions: tuple[int, int] | None = None) -> Any:
+        """One step on the named trajectories (advantages computed per whole GRPO group).
+
+        ``versions`` (lowest, highest policy version of the batch) lets the
+        read skip every other partition of the table.
+        """
         from reflow.policies.batch import train_samples_from_table
         from reflow.storage.delta_store import DeltaTrajectoryStore
 
-        table = DeltaTrajectoryStore(self.store_root).read_trajectories(run_id=run_id, ids=trajectory_ids)
+        if self.store is None:
+            self.store = DeltaTrajectoryStore(self.store_root)  # kept open: later reads see only new commits
+        table = self.store.read_trajectories(run_id=run_id, ids=trajectory_ids, versions=versions)
         if table.num_rows != len(set(trajectory_ids)):
             raise RuntimeError(f"trainer: {len(set(trajectory_ids))} trajectories selected, "
                                f"{table.num_rows} found in {self.store_root}")

@@ -21,7 +21,7 @@ can span versions; ``version`` is its oldest token's (what staleness counts).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -30,11 +30,29 @@ import torch
 
 @dataclass(frozen=True)
 class GenRequest:
-    """One sample to generate: a prompt and a token budget."""
+    """One sample to generate: a prompt and a token budget.
+
+    A resumed request (a partial rollout from an earlier round) carries what
+    was generated so far in ``resume_*`` (aligned, one entry per token); the
+    engine continues after them and its result includes them unchanged, so
+    every token keeps the log-prob and version it was sampled with.
+    ``max_tokens`` counts the resumed tokens too.
+    """
 
     request_id: str
     prompt_tokens: list[int]
     max_tokens: int
+    resume_tokens: list[int] = field(default_factory=list)
+    resume_logprobs: list[float] = field(default_factory=list)
+    resume_versions: list[int] = field(default_factory=list)
+    submitted_version: int | None = None  # version when first submitted (None: now)
+
+    def __post_init__(self) -> None:
+        if not len(self.resume_tokens) == len(self.resume_logprobs) == len(self.resume_versions):
+            raise ValueError(f"request {self.request_id}: resume_* lists differ in length")
+        if len(self.resume_tokens) >= self.max_tokens:
+            raise ValueError(f"request {self.request_id}: {len(self.resume_tokens)} resumed tokens leave no "
+                             f"budget of max_tokens={self.max_tokens}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,8 @@ class GenBatch:
 
     results: list[GenResult]
     seconds: float
+    busy_slot_seconds: float = 0.0  # sum over engine steps of (sequences decoding x step time)
+    slots: int = 0  # sequences the engine could have decoded at once in this call
 
 
 @dataclass(frozen=True)
@@ -87,6 +107,7 @@ class Drain:
     results: list[GenResult]
     seconds: float  # engine time spent stepping
     in_flight: int  # requests still running
+    busy_slot_seconds: float = 0.0  # sum over engine steps of (sequences decoding x step time)
 
 
 def generate_all(engine: Engine, requests: Sequence[GenRequest]) -> list[GenResult]:
@@ -96,6 +117,29 @@ def generate_all(engine: Engine, requests: Sequence[GenRequest]) -> list[GenResu
     while engine.num_unfinished():
         done.extend(engine.collect(max_steps=16))
     return done
+
+
+class SlotMeter:
+    """Slot-time accounting for the rollout bubble: how many sequences decode, for how long.
+
+    ``collect`` runs engine steps; over one call, the sequences decoding are
+    taken as those unfinished at its start, capped at the engine's
+    ``max_concurrent_sequences`` (short calls keep this close: ``max_steps``
+    is small).
+    """
+
+    def __init__(self, engine: Engine, max_sequences: int) -> None:
+        self.engine, self.max_sequences = engine, max_sequences
+        self.busy_slot_seconds = 0.0
+
+    def collect(self, max_steps: int) -> list[GenResult]:
+        import time
+
+        running = min(self.engine.num_unfinished(), self.max_sequences)
+        start = time.perf_counter()
+        out = self.engine.collect(max_steps=max_steps)
+        self.busy_slot_seconds += running * (time.perf_counter() - start)
+        return out
 
 
 @dataclass(frozen=True)
@@ -121,10 +165,10 @@ class _Progress:
 
     def __init__(self, request: GenRequest, submitted_version: int) -> None:
         self.request = request
-        self.submitted_version = submitted_version
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
+        self.submitted_version = submitted_version if request.submitted_version is None else request.submitted_version
+        self.tokens: list[int] = list(request.resume_tokens)
+        self.logprobs: list[float] = list(request.resume_logprobs)
+        self.versions: list[int] = list(request.resume_versions)
         self.engine_id = request.request_id  # the id inside vLLM (changes when the request is resumed)
 
     def add(self, tokens: list[int], logprobs: list[float], version: int) -> None:
@@ -289,17 +333,20 @@ class TransformersEngine:
 
     @torch.no_grad()
     def _sample(self, batch: list[GenRequest]) -> list[GenResult]:
-        """Left-padded ancestral sampling with a KV cache; exact temperature-1 log-probs."""
+        """Left-padded ancestral sampling with a KV cache; exact temperature-1 log-probs.
+
+        A resumed request's prompt is its prompt plus its resumed tokens.
+        """
         pad = self.settings.eos_token_id
-        width = max(len(r.prompt_tokens) for r in batch)
+        prompts = [list(r.prompt_tokens) + list(r.resume_tokens) for r in batch]
+        width = max(len(p) for p in prompts)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         attn = torch.zeros_like(ids)
-        for i, r in enumerate(batch):
-            ids[i, width - len(r.prompt_tokens):] = torch.tensor(r.prompt_tokens)
-            attn[i, width - len(r.prompt_tokens):] = 1
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
-        budget = torch.tensor([r.max_tokens for r in batch], device=self.device)
-        steps = int(budget.max().item())
+        steps = max(r.max_tokens - len(r.resume_tokens) for r in batch)
         out = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=True,
                                   temperature=self.settings.temperature, top_k=0, top_p=1.0,
                                   max_new_tokens=steps, eos_token_id=pad, pad_token_id=pad,
@@ -310,13 +357,16 @@ class TransformersEngine:
         return [self._trim(r, new[i], logp[i]) for i, r in enumerate(batch)]
 
     def _trim(self, req: GenRequest, tokens: torch.Tensor, logp: torch.Tensor) -> GenResult:
-        toks = tokens.tolist()[: req.max_tokens]
+        toks = tokens.tolist()[: req.max_tokens - len(req.resume_tokens)]
         eos = self.settings.eos_token_id
+        reason = "length"
         if eos in toks:
-            n = toks.index(eos) + 1
-            return GenResult(req.request_id, toks[:n], logp[:n].tolist(), "stop", [self.version] * n, self.version)
-        return GenResult(req.request_id, toks, logp[: len(toks)].tolist(), "length", [self.version] * len(toks),
-                         self.version)
+            toks, reason = toks[: toks.index(eos) + 1], "stop"
+        n = len(toks)
+        submitted = self.version if req.submitted_version is None else req.submitted_version
+        return GenResult(req.request_id, list(req.resume_tokens) + toks,
+                         list(req.resume_logprobs) + logp[:n].tolist(), reason,
+                         list(req.resume_versions) + [self.version] * n, submitted)
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.model.load_state_dict(state, strict=False)

@@ -30,10 +30,12 @@ from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, w
 from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
-from reflow.storage.schema import TRAJECTORY_SCHEMA, USAGE_SCHEMA, Trajectory, Usage, to_table
+from reflow.storage.schema import (CACHE_SCHEMA, TRAJECTORY_SCHEMA, USAGE_SCHEMA, CachedSample, Trajectory, Usage,
+                                   to_table)
 
 TRAJECTORIES = "trajectories"
 USAGE = "usage"
+ROLLOUT_CACHE = "rollout_cache"
 # Appends retried after losing a commit race (delta-rs already retries plain
 # append-vs-append conflicts internally; these are txn and metadata conflicts).
 COMMIT_ATTEMPTS = 5
@@ -55,6 +57,7 @@ class TableSpec:
 TABLE_SPECS: dict[str, TableSpec] = {
     TRAJECTORIES: TableSpec(TRAJECTORIES, TRAJECTORY_SCHEMA, ("policy_version",)),
     USAGE: TableSpec(USAGE, USAGE_SCHEMA, ()),
+    ROLLOUT_CACHE: TableSpec(ROLLOUT_CACHE, CACHE_SCHEMA, ()),
 }
 
 # Rows come back in a fixed order so that seeded sampling over a read is
@@ -76,9 +79,13 @@ class TrajectoryStore(Protocol):
         """Append usage rows; return the new table version, or None if skipped."""
         ...
 
+    def append_cache(self, rows: Sequence[CachedSample], *, app_id: str, txn_version: int) -> int | None:
+        """Append a rollout-cache snapshot; return the new table version, or None if skipped."""
+        ...
+
     def read_trajectories(self, *, run_id: str, rollout_step: int | None = None,
-                          ids: Sequence[str] | None = None) -> pa.Table:
-        """Trajectories of one run (optionally one rollout step or some ids), in TRAJECTORY_SCHEMA."""
+                          ids: Sequence[str] | None = None, versions: tuple[int, int] | None = None) -> pa.Table:
+        """Trajectories of one run (optionally one rollout step, some ids, a version range), in TRAJECTORY_SCHEMA."""
         ...
 
     def query(self, sql: str) -> pa.Table:
@@ -139,9 +146,16 @@ def _plain_type(arrow_type: pa.DataType) -> pa.DataType:
     return arrow_type
 
 
-def trajectory_filter(run_id: str, rollout_step: int | None, ids: Sequence[str] | None) -> pc.Expression:
-    """The row filter of ``read_trajectories`` as a pyarrow expression."""
+def trajectory_filter(run_id: str, rollout_step: int | None, ids: Sequence[str] | None,
+                      versions: tuple[int, int] | None = None) -> pc.Expression:
+    """The row filter of ``read_trajectories`` as a pyarrow expression.
+
+    ``versions`` (lowest, highest policy version) prunes partitions, so a
+    read touches only the files of the versions it needs.
+    """
     expr = pc.field("run_id") == run_id
+    if versions is not None:
+        expr &= (pc.field("policy_version") >= versions[0]) & (pc.field("policy_version") <= versions[1])
     if rollout_step is not None:
         expr &= pc.field("rollout_step") == rollout_step
     if ids is not None:
@@ -164,6 +178,7 @@ class DeltaTrajectoryStore:
         local = _local_path(self.root)
         if local is not None and local.exists() and not local.is_dir():
             raise StorageError(f"trajectory store root {self.root} is an existing file, not a directory")
+        self._kept: dict[str, DeltaTable] = {}
         for name in TABLE_SPECS:
             self._open(name)
 
@@ -222,6 +237,20 @@ class DeltaTrajectoryStore:
             raise StorageError(f"Delta table {uri} does not have the reflow {spec.name} schema "
                                f"(it was left unchanged): " + "; ".join(diffs))
 
+    def _latest(self, name: str) -> DeltaTable | None:
+        """Table ``name`` kept open by this store and brought up to its latest version."""
+        table = self._kept.get(name)
+        if table is None:
+            table = self._open(name)
+            if table is not None:
+                self._kept[name] = table
+            return table
+        try:
+            table.update_incremental()
+        except DeltaError as exc:
+            raise StorageError(f"refreshing {self.table_uri(name)} failed: {exc}") from exc
+        return table
+
     def _open_or_create(self, name: str) -> DeltaTable:
         """Table ``name``, created empty with its schema if absent."""
         table = self._open(name)
@@ -272,19 +301,25 @@ class DeltaTrajectoryStore:
         """Append usage rows; return the new table version, or None if skipped (already written or empty)."""
         return self._append(USAGE, to_table(rows, USAGE_SCHEMA), app_id, txn_version)
 
+    def append_cache(self, rows: Sequence[CachedSample], *, app_id: str, txn_version: int) -> int | None:
+        """Append a rollout-cache snapshot; return the new table version, or None if skipped."""
+        return self._append(ROLLOUT_CACHE, to_table(rows, CACHE_SCHEMA), app_id, txn_version)
+
     def read_trajectories(self, *, run_id: str, rollout_step: int | None = None,
-                          ids: Sequence[str] | None = None) -> pa.Table:
-        """Trajectories of ``run_id`` (optionally of one rollout step and/or some ids).
+                          ids: Sequence[str] | None = None, versions: tuple[int, int] | None = None) -> pa.Table:
+        """Trajectories of ``run_id`` (optionally of one rollout step, some ids, a policy-version range).
 
         Returns a table in TRAJECTORY_SCHEMA, ordered by (rollout_step,
         trajectory_id); empty if nothing was written yet. Filters are pushed
-        into the scan, so files whose statistics exclude the run are skipped.
+        into the scan: partitions outside ``versions`` and files whose
+        statistics exclude the run are skipped. The table stays open between
+        reads (only new commits are read the next time).
         """
-        table = self._open(TRAJECTORIES)
+        table = self._latest(TRAJECTORIES)
         if table is None:
             return TRAJECTORY_SCHEMA.empty_table()
         try:
-            rows = table.to_pyarrow_dataset().to_table(filter=trajectory_filter(run_id, rollout_step, ids))
+            rows = table.to_pyarrow_dataset().to_table(filter=trajectory_filter(run_id, rollout_step, ids, versions))
         except (DeltaError, OSError, pa.ArrowException) as exc:
             raise StorageError(f"reading {self.table_uri(TRAJECTORIES)} failed: {exc}") from exc
         return rows.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA).sort_by(_READ_ORDER)
@@ -387,12 +422,16 @@ class InMemoryTrajectoryStore:
         """Append usage rows; return the new version, or None if skipped (already written or empty)."""
         return self._append(USAGE, to_table(rows, USAGE_SCHEMA), app_id, txn_version)
 
+    def append_cache(self, rows: Sequence[CachedSample], *, app_id: str, txn_version: int) -> int | None:
+        """Append a rollout-cache snapshot; return the new version, or None if skipped."""
+        return self._append(ROLLOUT_CACHE, to_table(rows, CACHE_SCHEMA), app_id, txn_version)
+
     def read_trajectories(self, *, run_id: str, rollout_step: int | None = None,
-                          ids: Sequence[str] | None = None) -> pa.Table:
+                          ids: Sequence[str] | None = None, versions: tuple[int, int] | None = None) -> pa.Table:
         """Trajectories of ``run_id``, filtered and ordered as in the Delta store."""
         with self._lock:
             table = self._tables.get(TRAJECTORIES, TRAJECTORY_SCHEMA.empty_table())
-        return table.filter(trajectory_filter(run_id, rollout_step, ids)).sort_by(_READ_ORDER)
+        return table.filter(trajectory_filter(run_id, rollout_step, ids, versions)).sort_by(_READ_ORDER)
 
     def usage(self) -> pa.Table:
         """All usage rows (what tests use instead of SQL)."""

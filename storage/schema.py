@@ -78,6 +78,45 @@ class Usage:
     created_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
 
 
+CACHE_STATES = ("marker", "finished", "partial", "pending")
+
+
+@dataclass(frozen=True)
+class CachedSample:
+    """One entry of the length-aware scheduler's rollout cache, as of the end of one round.
+
+    Each round appends a snapshot: one ``marker`` row (``group_index`` -1)
+    that records the round and ``next_group`` even when the cache is empty,
+    then per cached group its ``finished`` and ``partial`` samples (tokens,
+    per-token log-probs and versions, aligned as in ``Trajectory``) or one
+    ``pending`` row (``sample_index`` -1) for a group with nothing kept.
+    The latest round's snapshot is the cache.
+    """
+
+    run_id: str
+    round: int  # the trainer step whose round left this state
+    next_group: int  # first prompt position never loaded
+    group_index: int
+    sample_index: int
+    aborts: int
+    state: str
+    request_id: str
+    response_tokens: list[int]
+    behaviour_logprobs: list[float]
+    token_versions: list[int]
+    finish_reason: str
+    submitted_version: int
+    created_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
+
+    def __post_init__(self) -> None:
+        n = len(self.response_tokens)
+        if len(self.behaviour_logprobs) != n or len(self.token_versions) != n:
+            raise ValueError(f"cache row {self.request_id or self.group_index}: tokens, log-probs and versions "
+                             "differ in length")
+        if self.state not in CACHE_STATES:
+            raise ValueError(f"cache row state {self.state!r} not in {CACHE_STATES}")
+
+
 _SCALARS: dict[object, pa.DataType] = {
     str: pa.string(),
     int: pa.int64(),
@@ -112,6 +151,7 @@ def arrow_schema(record_type: type) -> pa.Schema:
 
 TRAJECTORY_SCHEMA = arrow_schema(Trajectory)
 USAGE_SCHEMA = arrow_schema(Usage)
+CACHE_SCHEMA = arrow_schema(CachedSample)
 
 
 def to_table(records: typing.Sequence[object], schema: pa.Schema) -> pa.Table:

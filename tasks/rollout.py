@@ -47,6 +47,10 @@ class ScoreSummary:
     generated_tokens: int
     generation_seconds: float  # engine time spent on this round
     seconds: float
+    bubble_ratio: float = 0.0  # share of engine slot-time idle while the round was open
+    resumed: int = 0  # sorted rounds: partial responses resumed
+    aborted: int = 0  # sorted rounds: requests aborted at the round's end
+    cached_groups: int = 0  # sorted rounds: groups left in the rollout cache
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,8 @@ def score(run_dir: str, handle: RolloutHandle) -> ScoreSummary:
                         accuracy=float(np.mean([r.correct for r in records])),
                         length_mean=float(lengths.mean()), length_p50=float(np.percentile(lengths, 50)),
                         length_p99=float(np.percentile(lengths, 99)), generated_tokens=int(lengths.sum()),
-                        generation_seconds=batch.seconds, seconds=ctx.clock.now() - start)
+                        generation_seconds=batch.seconds, seconds=ctx.clock.now() - start,
+                        bubble_ratio=max(0.0, 1.0 - batch.busy_slot_seconds / max(batch.slots * batch.seconds, 1e-9)))
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)

@@ -60,7 +60,8 @@ def update(run_dir: str, step: int, selection: BatchSelection | None = None) -> 
     trainer_version = ray.get(trainer.version.remote())
     batch = selection if selection is not None else sync_batch(ctx.store, run_id=ctx.record.run_id,
                                                                rollout_step=step)
-    result = ray.get(trainer.train.remote(ctx.record.run_id, batch.trajectory_ids, batch.loss_weights))
+    versions = (min(batch.policy_versions), max(batch.policy_versions)) if batch.policy_versions else None
+    result = ray.get(trainer.train.remote(ctx.record.run_id, batch.trajectory_ids, batch.loss_weights, versions))
     metrics = result.metrics
     usage = [Usage(run_id=ctx.record.run_id, trajectory_id=tid, trainer_step=step, trainer_version=trainer_version,
                    loss_weight=w, staleness=trainer_version - v)

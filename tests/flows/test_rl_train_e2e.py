@@ -110,20 +110,20 @@ def test_transformers_engine_one_step_off_end_to_end(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
-    """`reflow bench` over sync, async and reflow: real runs, bench.json, PNG, buffer rules in the tables."""
+    """`reflow bench` over sync, async, reflow and sorted_partial: real runs, bench.json, PNG, rules in the tables."""
     out = tmp_path / "bench"
-    proc = _run(["bench", "--modes", "sync,async,reflow", "--config", str(REPO / "configs/smoke.toml"),
+    proc = _run(["bench", "--modes", "sync,async,reflow,sorted_partial", "--config", str(REPO / "configs/smoke.toml"),
                  "--out", str(out), "--set", "run.total_steps=6", "--set", "buffer.max_staleness_versions=1",
                  "--set", f'model.cache_dir="{tmp_path / "models"}"'], cwd=tmp_path, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())
-    assert set(report["summary"]) == {"sync", "async", "reflow"}
+    assert set(report["summary"]) == {"sync", "async", "reflow", "sorted_partial"}
     assert (out / "bench.png").stat().st_size > 0
     for run in report["runs"]:
         assert run["steps"] == 6 and run["wall_s"] > 0 and run["generated_tokens_per_s"] > 0
         assert len(run["eval_curve"]) == 4  # warm start + steps 2, 4, 6 (smoke evaluates every 2 steps)
-    for mode in ("sync", "async", "reflow"):
+    for mode in ("sync", "async", "reflow", "sorted_partial"):
         assert mode in proc.stdout
 
     by_mode = {r["mode"]: Path(r["run_dir"]) for r in report["runs"]}
@@ -165,8 +165,22 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
             assert len(client.get_metric_history(run_id, key)) == 6, (mode, key)
         assert len(client.get_metric_history(run_id, "eval_accuracy")) == 3
 
+    # SortedRL rounds: whole groups per step, the cache snapshot per round in Delta, the bubble logged
+    run_dir = by_mode["sorted_partial"]
+    rows = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table().to_pylist()
+    assert len({r["trajectory_id"] for r in rows}) == len(rows) == 6 * 16
+    assert len({r["prompt_id"] for r in rows}) == 6 * 4, "a prompt was trained twice"
+    cache = DeltaTable(str(run_dir / "tables/rollout_cache")).to_pyarrow_dataset().to_table().to_pylist()
+    assert sorted({r["round"] for r in cache}) == list(range(6))
+    assert all(sum(1 for r in cache if r["round"] == k and r["state"] == "marker") == 1 for k in range(6))
+    assert all(r["policy_version"] == min(r["token_versions"], default=r["policy_version"]) for r in rows)
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert all(0.0 <= s["metrics"]["rollout_bubble_ratio"] <= 1.0 for s in steps)
+    assert report["summary"]["sorted_partial"]["bubble_ratio"]["mean"] > 0.0
+
     with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
         states = db.execute("SELECT name, state_type FROM flow_run").fetchall()
         tasks = [name.rsplit("-", 1)[0] for (name,) in db.execute("SELECT name FROM task_run")]
     assert all(state == "COMPLETED" for _, state in states), states
     assert tasks.count("write_groups") >= 2 * 6 and tasks.count("push_weights") == 2 * 6
+    assert tasks.count("rollout_sorted") == 6

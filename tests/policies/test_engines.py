@@ -53,6 +53,27 @@ def test_transformers_engine_update_weights_in_place(random_model_dir: Path) -> 
     assert torch.allclose(torch.tensor(res.logprobs), torch.full((len(res.logprobs),), -torch.log(torch.tensor(128.0))))
 
 
+def test_transformers_engine_resumes_a_partial_rollout(random_model_dir: Path) -> None:
+    engine = TransformersEngine(_settings(random_model_dir), version=1)
+    (first,) = generate_all(engine, [GenRequest("a", [5, 6], max_tokens=40)])
+    keep = min(3, len(first.response_tokens) - 1)
+    if first.response_tokens[keep - 1] == EOS_ID or keep < 1:
+        pytest.skip("sampled an immediate end of sequence")
+    zeros = {k: torch.zeros_like(v) for k, v in engine.model.state_dict().items()}
+    engine.update_weights(zeros, version=4)
+    resumed = GenRequest("a", [5, 6], max_tokens=8, resume_tokens=first.response_tokens[:keep],
+                         resume_logprobs=first.logprobs[:keep], resume_versions=[1] * keep, submitted_version=1)
+    (res,) = generate_all(engine, [resumed])
+    assert res.response_tokens[:keep] == first.response_tokens[:keep] and len(res.response_tokens) <= 8
+    assert res.logprobs[:keep] == first.logprobs[:keep]
+    assert res.token_versions == [1] * keep + [4] * (len(res.response_tokens) - keep)
+    assert res.version == 1 and res.submitted_version == 1
+    uniform = -torch.log(torch.tensor(128.0))
+    assert torch.allclose(torch.tensor(res.logprobs[keep:]), uniform.expand(len(res.response_tokens) - keep))
+    with pytest.raises(ValueError, match="no budget"):
+        GenRequest("b", [1], max_tokens=2, resume_tokens=[3, 4], resume_logprobs=[0.0, 0.0], resume_versions=[0, 0])
+
+
 VLLM_SCRIPT = textwrap.dedent('''
     import json, sys, torch
     from reflow.policies.engines import EngineSettings, GenRequest, VLLMEngine, generate_all
@@ -76,8 +97,17 @@ VLLM_SCRIPT = textwrap.dedent('''
         eng.update_weights(original, version=5)
         while eng.num_unfinished():
             third += eng.collect(max_steps=4)
+        # a partial rollout aborted, then resumed after an update: the resumed tokens keep their log-probs
+        eng.submit([GenRequest(f"p{i}", [10 + i, 11, 12], max_tokens=12) for i in range(6)])
+        early = eng.collect(max_steps=3)
+        partial = eng.abort(eng.pending_ids())
+        eng.update_weights(state, version=7)
+        fourth = generate_all(eng, [GenRequest(p.request_id, [10 + int(p.request_id[1:]), 11, 12], 12,
+                                               p.response_tokens, p.logprobs, p.token_versions, p.submitted_version)
+                                    for p in partial if p.response_tokens])
         rows = lambda rs: [dict(r.__dict__, version=r.version) for r in rs]
-        json.dump({"first": rows(first), "second": rows(second), "third": rows(third)}, open(sys.argv[2], "w"))
+        json.dump({"first": rows(first), "second": rows(second), "third": rows(third), "partial": rows(partial),
+                   "fourth": rows(fourth)}, open(sys.argv[2], "w"))
     if __name__ == "__main__":
         main()
 ''')
@@ -117,3 +147,15 @@ def test_vllm_engine_logprobs_match_trainer_before_and_after_update(random_model
         assert torch.allclose(torch.tensor(res["logprobs"]), expected, atol=2e-3), res["request_id"]
         spanning += len(set(versions)) == 2
     assert spanning >= 1, "no request spanned the weight update"
+    partial = {r["request_id"]: r for r in data["partial"]}
+    assert partial and all(r["finish_reason"] == "abort" for r in partial.values())
+    assert {r["request_id"] for r in data["fourth"]} == {k for k, r in partial.items() if r["response_tokens"]}
+    for res in data["fourth"]:
+        before = partial[res["request_id"]]
+        keep = len(before["response_tokens"])
+        assert res["response_tokens"][:keep] == before["response_tokens"]
+        assert res["logprobs"][:keep] == before["logprobs"]  # exactly the log-probs they were sampled with
+        assert res["token_versions"] == [5] * keep + [7] * (len(res["response_tokens"]) - keep)
+        prompt = [10 + int(res["request_id"][1:]), 11, 12]
+        expected = _trainer_logprobs(random_model_dir, prompt, res["response_tokens"], state)[keep:]
+        assert torch.allclose(torch.tensor(res["logprobs"][keep:]), expected, atol=2e-3), res["request_id"]

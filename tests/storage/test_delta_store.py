@@ -49,7 +49,7 @@ def store(tmp_path: Path) -> DeltaTrajectoryStore:
 def test_round_trip_equals_input(store: DeltaTrajectoryStore) -> None:
     records = [make_trajectory(i, policy_version=i % 2) for i in range(6)]
     assert isinstance(store, TrajectoryStore)
-    assert store.table_versions() == {"trajectories": -1, "usage": -1}
+    assert store.table_versions() == {"trajectories": -1, "usage": -1, "rollout_cache": -1}
     version = store.append_trajectories(records, app_id="rollout", txn_version=0)
     assert version == 1  # version 0 is the empty table's creation
     table = store.read_trajectories(run_id="run-a")
@@ -94,7 +94,7 @@ def test_retried_write_is_skipped(store: DeltaTrajectoryStore) -> None:
     assert store.append_trajectories(records, app_id="other", txn_version=5) == 2
     assert store.append_trajectories(records, app_id="rollout", txn_version=6) == 3
     assert store.read_trajectories(run_id="run-a").num_rows == 12
-    assert store.table_versions() == {"trajectories": 3, "usage": -1}
+    assert store.table_versions() == {"trajectories": 3, "usage": -1, "rollout_cache": -1}
 
 
 def test_empty_append_writes_nothing(store: DeltaTrajectoryStore) -> None:
@@ -213,7 +213,7 @@ def test_in_memory_store_has_the_same_behaviour() -> None:
     assert store.append_trajectories(records, app_id="rollout", txn_version=0) == 1
     assert store.append_trajectories(records, app_id="rollout", txn_version=0) is None
     assert store.append_usage([make_usage(records[0].trajectory_id, 0)], app_id="trainer", txn_version=0) == 1
-    assert store.table_versions() == {"trajectories": 1, "usage": 1}
+    assert store.table_versions() == {"trajectories": 1, "usage": 1, "rollout_cache": -1}
     table = store.read_trajectories(run_id="run-a", rollout_step=1)
     assert trajectories_from_table(table) == [records[1], records[3]]
     assert store.read_trajectories(run_id="run-a", ids=[records[2].trajectory_id]).num_rows == 1

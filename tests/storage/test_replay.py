@@ -198,7 +198,7 @@ def test_incomplete_groups_wait_and_runs_are_separate(tmp_path: Path) -> None:
 def test_sql_is_runnable_text_and_cached_tables_follow_new_commits(tmp_path: Path) -> None:
     store = DeltaTrajectoryStore(tmp_path)
     cached = CachedTables(store)
-    assert cached.table_versions() == {"trajectories": -1, "usage": -1}
+    assert cached.table_versions() == {"trajectories": -1, "usage": -1, "rollout_cache": -1}
     store.append_trajectories(_group("a", 0, 2), app_id="f", txn_version=0)
     sql = select_batch_sql(RUN, 0, 2, ReplayPolicy(0, 0.5, 2))
     assert "policy_version >= 0 AND policy_version <= 0" in sql and "trainer_version >= 0" in sql
