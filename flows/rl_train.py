@@ -104,7 +104,9 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline) -> list:
     minimum = c.min_sequences if c.adaptive else c.initial_sequences
     controller = ConcurrencyController(c.initial_sequences, minimum, maximum, c.increase, c.decrease,
                                        window_s=c.window_s)
-    feeder = FeederLoop(RayFeeder(run_dir), state, StalenessGate(b.max_staleness_versions, fresh_per_step, groups),
+    # The gate counts whole batches in both modes: reflow trains on fresh groups first, so it consumes a full
+    # batch of them whenever they are there, and a gate sized by its minimum fresh share starves the engine.
+    feeder = FeederLoop(RayFeeder(run_dir), state, StalenessGate(b.max_staleness_versions, groups, groups),
                         controller, clock, window_s=b.drain_window_s,
                         write_min_groups=max(1, fresh_per_step // 4))
     snapshots: list = []

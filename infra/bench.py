@@ -38,6 +38,7 @@ class ModeResult:
     target_accuracy: float | None
     time_to_target_s: float | None  # None: never reached
     generated_tokens_per_s: float  # all tokens generated / wall_s
+    engine_tokens_per_s: float  # all tokens generated / seconds the engine spent generating them
     trained_tokens_per_s: float  # all tokens trained on / wall_s
     trainer_idle: float  # mean over steps
     generator_idle: float
@@ -73,12 +74,16 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None) -
         raise RuntimeError(f"{run_dir}: no held-out evaluations; set env.eval_prompts > 0")
     wall = steps[-1].elapsed_s
     gen = sum(r.metrics.get("generated_tokens", 0.0) for r in steps)
+    engine_s = sum(r.metrics["rollout_seconds"] if "rollout_seconds" in r.metrics else
+                   r.metrics.get("generated_tokens", 0.0) / max(r.metrics.get("engine_tokens_per_s", 0.0), 1e-9)
+                   for r in steps)
     trained = sum(r.metrics.get("trained_tokens", 0.0) for r in steps)
     return ModeResult(
         mode=mode, seed=seed, run_dir=str(run_dir), steps=len(steps), wall_s=wall, baseline_accuracy=curve[0][1],
         final_accuracy=curve[-1][1], target_accuracy=target,
         time_to_target_s=time_to_target(curve, target) if target is not None else None,
-        generated_tokens_per_s=gen / max(wall, 1e-9), trained_tokens_per_s=trained / max(wall, 1e-9),
+        generated_tokens_per_s=gen / max(wall, 1e-9), engine_tokens_per_s=gen / max(engine_s, 1e-9),
+        trained_tokens_per_s=trained / max(wall, 1e-9),
         trainer_idle=_mean(steps, "trainer_idle_fraction"), generator_idle=_mean(steps, "generator_idle_fraction"),
         staleness_mean=_mean(steps, "staleness_mean"), replay_share=_mean(steps, "replay_share"),
         bubble_ratio=_mean(steps, "rollout_bubble_ratio"), eval_curve=curve)
@@ -109,7 +114,8 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
         rs = [r for r in results if r.mode == mode]
         reached = [r.time_to_target_s for r in rs if r.time_to_target_s is not None]
         entry = {key: _spread([getattr(r, key) for r in rs]) for key in
-                 ("final_accuracy", "wall_s", "generated_tokens_per_s", "trained_tokens_per_s", "trainer_idle",
+                 ("final_accuracy", "wall_s", "generated_tokens_per_s", "engine_tokens_per_s",
+                  "trained_tokens_per_s", "trainer_idle",
                   "generator_idle", "staleness_mean", "replay_share", "bubble_ratio")}
         entry["time_to_target_s"] = _spread(reached) if len(reached) == len(rs) else None
         entry["seeds_reaching_target"] = len(reached)
@@ -122,14 +128,15 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
         others = [t for m, t in ttt.items() if m != mode and m in ("sync", "one_step_off", "async")]
         entry["speedup_vs_best_baseline"] = min(others) / mine if mine and others and mode == "reflow" else None
         if "sync" in out:
-            entry["generated_tokens_per_s_vs_sync"] = (entry["generated_tokens_per_s"]["mean"]
-                                                       / max(out["sync"]["generated_tokens_per_s"]["mean"], 1e-9))
+            for key in ("generated_tokens_per_s", "engine_tokens_per_s"):
+                entry[f"{key}_vs_sync"] = entry[key]["mean"] / max(out["sync"][key]["mean"], 1e-9)
     return out
 
 
 def table(summary: dict[str, dict]) -> str:
     """The per-mode table printed at the end of ``reflow bench``."""
-    head = (f"{'mode':<17}{'to target s':>12}{'vs sync':>8}{'final acc':>10}{'gen tok/s':>10}{'train tok/s':>12}"
+    head = (f"{'mode':<17}{'to target s':>12}{'vs sync':>8}{'final acc':>10}{'gen tok/s':>10}{'engine tok/s':>13}"
+            f"{'train tok/s':>12}"
             f"{'trainer idle':>13}{'gen idle':>9}{'stale':>6}{'replay':>7}{'bubble':>7}")
     rows = [head, "-" * len(head)]
     for mode, e in summary.items():
@@ -137,7 +144,8 @@ def table(summary: dict[str, dict]) -> str:
         ttt = f"{t['mean']:.0f}" if t else f"{e['seeds_reaching_target']}/{e['seeds']} hit"
         vs = f"{e['speedup_vs_sync']:.2f}x" if e["speedup_vs_sync"] else "-"
         rows.append(f"{mode:<17}{ttt:>12}{vs:>8}{e['final_accuracy']['mean']:>10.3f}"
-                    f"{e['generated_tokens_per_s']['mean']:>10.0f}{e['trained_tokens_per_s']['mean']:>12.0f}"
+                    f"{e['generated_tokens_per_s']['mean']:>10.0f}{e['engine_tokens_per_s']['mean']:>13.0f}"
+                    f"{e['trained_tokens_per_s']['mean']:>12.0f}"
                     f"{e['trainer_idle']['mean']:>12.0%} {e['generator_idle']['mean']:>8.0%}"
                     f"{e['staleness_mean']['mean']:>6.2f}{e['replay_share']['mean']:>7.0%}"
                     f"{e['bubble_ratio']['mean']:>7.0%}")

@@ -20,9 +20,12 @@ One round per trainer step:
    ``max_aborts`` times is *pinned*: the next round does not end before it
    completes, so no prompt is lost.
 5. **Length-sorted batches.** Complete groups are ordered by mean response
-   length and the ``groups_per_step`` shortest are trained now (short groups
-   first, the micro-curriculum); the rest wait, finished, in the cache. A
-   group is trainable when all its samples are finished.
+   length, shortest first (the micro-curriculum). ``partial``: the
+   ``groups_per_step`` shortest train now, the rest wait, finished, in the
+   cache. ``on_policy``: every complete group trains now (a batch can exceed
+   ``groups_per_step`` by the groups that finished in the last window), so
+   staleness is always 0. A group is trainable when all its samples are
+   finished.
 
 The rollout bubble ratio of a round is ``1 - busy_slot_seconds / (slots *
 round_seconds)``: the share of engine slot-time with nothing to decode while
@@ -180,8 +183,11 @@ class SortedScheduler:
             return sum(len(r.response_tokens) for r in self.groups[g].finished.values()) / self.samples
 
         complete = sorted(self._complete(), key=lambda g: (mean_length(g), g))
+        # partial: one step's worth now, the rest waits (finished) in the cache; on_policy: every complete
+        # group trains now, so no sample is ever trained by weights newer than the ones that sampled it.
+        now = complete if self.mode == "on_policy" else complete[: self.groups_per_step]
         taken = {}
-        for g in complete[: self.groups_per_step]:
+        for g in now:
             finished = self.groups.pop(g).finished
             taken[g] = [finished[k] for k in range(self.samples)]
         for st in self.groups.values():

@@ -32,14 +32,17 @@ def _run(tmp_path: Path, name: str, evals: dict[int, float], seconds_per_step: f
 
 def test_summaries_targets_and_speedups(tmp_path: Path) -> None:
     sync = bench.summarise("sync", 0, _run(tmp_path, "s", {2: 0.3, 5: 0.6}, 10.0,
-                                           {"trainer_idle_fraction": 0.5}), None)
+                                           {"trainer_idle_fraction": 0.5, "rollout_seconds": 2.0}), None)
     assert sync.wall_s == 60.0 and sync.generated_tokens_per_s == pytest.approx(600 / 60)
+    assert sync.engine_tokens_per_s == pytest.approx(600 / 12)  # tokens per second of engine time
     assert sync.eval_curve == [(0.0, 0.2), (30.0, 0.3), (60.0, 0.6)]
     target = bench.default_target(sync)
     assert target == pytest.approx(0.2 + 0.75 * 0.4)  # 0.5
     fast = bench.summarise("reflow", 0, _run(tmp_path, "r", {2: 0.5, 5: 0.6}, 5.0,
                                              {"trainer_idle_fraction": 0.1, "replay_share": 0.4}), None)
-    mid = bench.summarise("async", 0, _run(tmp_path, "a", {2: 0.4, 5: 0.6}, 6.0, {}), None)
+    mid = bench.summarise("async", 0, _run(tmp_path, "a", {2: 0.4, 5: 0.6}, 6.0, {"engine_tokens_per_s": 400.0}),
+                          None)
+    assert mid.engine_tokens_per_s == pytest.approx(400.0)
     results = [bench.with_target(r, target) for r in (sync, mid, fast)]
     assert results[0].time_to_target_s == pytest.approx(30 + 30 * (0.2 / 0.3))  # 50 s
     assert results[2].time_to_target_s == pytest.approx(15.0)

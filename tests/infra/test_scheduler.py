@@ -93,7 +93,11 @@ def test_rounds_lose_and_duplicate_no_prompt_across_aborts_and_restarts(tmp_path
             sched = _scheduler(engine, clock, mode)
             sched.restore([CachedSample(**r) for r in rows])
         result = sched.run_round(engine)
-        assert len(result.trainable) == 4 and all(len(v) == 2 for v in result.trainable.values())
+        assert all(len(v) == 2 for v in result.trainable.values())
+        if mode == "partial":
+            assert len(result.trainable) == 4
+        else:  # on_policy trains every complete group at once, at least one step's worth
+            assert len(result.trainable) >= 4 and not any(len(st.finished) == 2 for st in sched.groups.values())
         trained.update(result.trainable.keys())
         engine.version += 1
         store.append_cache(sched.snapshot("run", round_index), app_id="run:rollout_cache", txn_version=round_index)
@@ -131,10 +135,10 @@ def test_on_policy_mode_trains_only_single_version_samples_and_pins_starving_pro
     seen_long = None
     for round_index in range(12):
         result = sched.run_round(engine)
-        engine.version += 1
         for samples in result.trainable.values():
             for r in samples:
-                assert len(set(r.token_versions)) == 1, "an on-policy sample spans versions"
+                assert set(r.token_versions) == {engine.version}, "an on-policy sample is stale or spans versions"
+        engine.version += 1
         if 3 in result.trainable:
             seen_long = round_index
     assert seen_long is not None and seen_long <= 3, "the long prompt starved"
