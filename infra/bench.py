@@ -44,7 +44,7 @@ class ModeResult:
     generator_idle: float
     staleness_mean: float
     replay_share: float
-    bubble_ratio: float  # rounds' idle engine slot-time share (sync-style rows)
+    bubble_ratio: float | None  # rounds' idle engine slot-time share (None: a streaming mode, no rounds)
     eval_curve: list[tuple[float, float]]  # (seconds, held-out accuracy)
 
 
@@ -86,7 +86,8 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None) -
         trained_tokens_per_s=trained / max(wall, 1e-9),
         trainer_idle=_mean(steps, "trainer_idle_fraction"), generator_idle=_mean(steps, "generator_idle_fraction"),
         staleness_mean=_mean(steps, "staleness_mean"), replay_share=_mean(steps, "replay_share"),
-        bubble_ratio=_mean(steps, "rollout_bubble_ratio"), eval_curve=curve)
+        bubble_ratio=_mean(steps, "rollout_bubble_ratio") if any("rollout_bubble_ratio" in r.metrics for r in steps)
+        else None, eval_curve=curve)
 
 
 def default_target(sync: ModeResult, share: float = 0.75) -> float:
@@ -116,7 +117,9 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
         entry = {key: _spread([getattr(r, key) for r in rs]) for key in
                  ("final_accuracy", "wall_s", "generated_tokens_per_s", "engine_tokens_per_s",
                   "trained_tokens_per_s", "trainer_idle",
-                  "generator_idle", "staleness_mean", "replay_share", "bubble_ratio")}
+                  "generator_idle", "staleness_mean", "replay_share")}
+        bubbles = [r.bubble_ratio for r in rs if r.bubble_ratio is not None]
+        entry["bubble_ratio"] = _spread(bubbles) if bubbles else None
         entry["time_to_target_s"] = _spread(reached) if len(reached) == len(rs) else None
         entry["seeds_reaching_target"] = len(reached)
         entry["seeds"] = len(rs)
@@ -148,7 +151,7 @@ def table(summary: dict[str, dict]) -> str:
                     f"{e['trained_tokens_per_s']['mean']:>12.0f}"
                     f"{e['trainer_idle']['mean']:>12.0%} {e['generator_idle']['mean']:>8.0%}"
                     f"{e['staleness_mean']['mean']:>6.2f}{e['replay_share']['mean']:>7.0%}"
-                    f"{e['bubble_ratio']['mean']:>7.0%}")
+                    + (f"{e['bubble_ratio']['mean']:>7.0%}" if e["bubble_ratio"] else f"{'-':>7}"))
     return "\n".join(rows)
 
 
