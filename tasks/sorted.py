@@ -65,7 +65,6 @@ def _scheduler(ctx: TaskContext, run_dir: str) -> SortedScheduler:
     if sched is not None:
         return sched
     r = ctx.cfg.rollout
-    engine_version = {"v": 0}
 
     def make_request(g: int, k: int, resume: GenResult | None) -> GenRequest:
         prompt = ctx.env.prompts("train", start=g, count=1)

@@ -87,7 +87,7 @@ def test_rounds_lose_and_duplicate_no_prompt_across_aborts_and_restarts(tmp_path
     for round_index in range(30):
         if round_index in (7, 19):  # a restart: a new scheduler from the persisted cache
             rows = store.query("SELECT * FROM rollout_cache WHERE round = "
-                               f"(SELECT MAX(round) FROM rollout_cache)").to_pylist()
+                               "(SELECT MAX(round) FROM rollout_cache)").to_pylist()
             from reflow.storage.schema import CachedSample
 
             sched = _scheduler(engine, clock, mode)

@@ -54,22 +54,20 @@ def test_transformers_engine_update_weights_in_place(random_model_dir: Path) -> 
 
 
 def test_transformers_engine_resumes_a_partial_rollout(random_model_dir: Path) -> None:
+    """The resumed prefix is kept as is and conditions the new tokens, which carry the new version."""
     engine = TransformersEngine(_settings(random_model_dir), version=1)
-    (first,) = generate_all(engine, [GenRequest("a", [5, 6], max_tokens=40)])
-    keep = min(3, len(first.response_tokens) - 1)
-    if first.response_tokens[keep - 1] == EOS_ID or keep < 1:
-        pytest.skip("sampled an immediate end of sequence")
-    zeros = {k: torch.zeros_like(v) for k, v in engine.model.state_dict().items()}
-    engine.update_weights(zeros, version=4)
-    resumed = GenRequest("a", [5, 6], max_tokens=8, resume_tokens=first.response_tokens[:keep],
-                         resume_logprobs=first.logprobs[:keep], resume_versions=[1] * keep, submitted_version=1)
+    engine.update_weights(dict(engine.model.state_dict()), version=4)
+    prefix, prefix_logprobs = [20, 21, 22], [-1.0, -2.0, -3.0]  # as an earlier round left them (not EOS)
+    resumed = GenRequest("a", [5, 6], max_tokens=8, resume_tokens=prefix, resume_logprobs=prefix_logprobs,
+                         resume_versions=[1, 1, 1], submitted_version=1)
     (res,) = generate_all(engine, [resumed])
-    assert res.response_tokens[:keep] == first.response_tokens[:keep] and len(res.response_tokens) <= 8
-    assert res.logprobs[:keep] == first.logprobs[:keep]
+    keep = len(prefix)
+    assert res.response_tokens[:keep] == prefix and keep < len(res.response_tokens) <= 8
+    assert res.logprobs[:keep] == prefix_logprobs
     assert res.token_versions == [1] * keep + [4] * (len(res.response_tokens) - keep)
     assert res.version == 1 and res.submitted_version == 1
-    uniform = -torch.log(torch.tensor(128.0))
-    assert torch.allclose(torch.tensor(res.logprobs[keep:]), uniform.expand(len(res.response_tokens) - keep))
+    expected = _trainer_logprobs(random_model_dir, [5, 6], res.response_tokens)[keep:]
+    assert torch.allclose(torch.tensor(res.logprobs[keep:]), expected, atol=1e-4)
     with pytest.raises(ValueError, match="no budget"):
         GenRequest("b", [1], max_tokens=2, resume_tokens=[3, 4], resume_logprobs=[0.0, 0.0], resume_versions=[0, 0])
 
