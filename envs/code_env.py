@@ -161,7 +161,7 @@ class CodeEnv(RowEnv):
         starter = str(raw.get("starter_code") or "").strip()
         content = question + (f"\n\nStarter code:\n{starter}" if starter else "") + f"\n\n{INSTRUCTION}"
         return Row(messages=(("user", content),), answer=answer, reference=_reference(raw.get("solutions"), where),
-                   key=json.dumps([question, answer]))
+                   key=json.dumps([question, starter]))  # hold-out by problem text, not its tests
 
     def synthetic_row(self, rng: random.Random) -> dict[str, Any]:
         """One synthetic problem as an APPS row (see the module docstring)."""
