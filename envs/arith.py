@@ -38,9 +38,9 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from reflow.envs.base import Prompt, Score, Split, check_range
+from reflow.envs.base import BatchScoring, Prompt, Score, Split, check_range
 
 if TYPE_CHECKING:
     from reflow.infra.config import EnvConfig
@@ -60,12 +60,12 @@ def is_eval_text(text: str) -> bool:
     return _hash_int("arith-eval-partition/" + text) % EVAL_BUCKETS == 0
 
 
-class ArithEnv:
+class ArithEnv(BatchScoring):
     """Multi-term addition with a step-by-step reference and an exact-answer reward."""
 
     name = "arith"
 
-    def __init__(self, cfg: "EnvConfig", seed: int) -> None:
+    def __init__(self, cfg: "EnvConfig", seed: int, tokenizer: Any = None) -> None:  # prompts are plain text
         self.cfg = cfg
         self.seed = seed
 

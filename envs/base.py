@@ -4,12 +4,17 @@ An ``Env`` is a pure, seeded function of indices: ``prompts(split, start, count)
 returns the same prompts for the same seed and indices in any process, so a
 resumed run continues the stream at ``start`` and an evaluation set is fixed.
 ``make_env`` picks the implementation named by ``EnvConfig.kind``.
+
+Scoring comes in batches too: ``score_many(prompts, texts)`` scores a round's
+responses at once, so a workload whose reward is expensive (``code`` runs
+programs in a sandbox) can fan the work out (Ray tasks) instead of scoring one
+response after another. ``BatchScoring`` gives every env the plain loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence
 
 if TYPE_CHECKING:
     from reflow.infra.config import EnvConfig
@@ -57,6 +62,20 @@ class Env(Protocol):
         """Reward of ``response_text`` (decoded response, special tokens removed)."""
         ...
 
+    def score_many(self, prompts: Sequence[Prompt], texts: Sequence[str]) -> list[Score]:
+        """``[score(p, t) for p, t in zip(prompts, texts)]``, possibly computed in parallel."""
+        ...
+
+
+class BatchScoring:
+    """Mixin: ``score_many`` as a loop over ``score`` (for envs whose reward is cheap)."""
+
+    def score_many(self, prompts: Sequence[Prompt], texts: Sequence[str]) -> list[Score]:
+        """One ``score`` call per response, in order."""
+        if len(prompts) != len(texts):
+            raise ValueError(f"score_many: {len(prompts)} prompts but {len(texts)} texts")
+        return [self.score(p, t) for p, t in zip(prompts, texts)]  # type: ignore[attr-defined]
+
 
 def check_range(split: str, start: int, count: int) -> None:
     """Raise ValueError with a readable message for a bad ``prompts`` request."""
@@ -66,10 +85,29 @@ def check_range(split: str, start: int, count: int) -> None:
         raise ValueError(f"start and count must be >= 0, got start={start}, count={count}")
 
 
-def make_env(cfg: "EnvConfig", seed: int) -> Env:
-    """The workload named by ``cfg.kind``, seeded with ``seed``."""
-    if cfg.kind == "arith":
+def env_class(kind: str) -> type:
+    """The class of the workload named ``kind`` (imported on demand)."""
+    if kind == "arith":
         from reflow.envs.arith import ArithEnv
 
-        return ArithEnv(cfg, seed)
-    raise ValueError(f"env.kind: unknown workload {cfg.kind!r}")
+        return ArithEnv
+    if kind == "math":
+        from reflow.envs.math_env import MathEnv
+
+        return MathEnv
+    if kind == "code":
+        from reflow.envs.code_env import CodeEnv
+
+        return CodeEnv
+    raise ValueError(f"env.kind: unknown workload {kind!r}")
+
+
+def make_env(cfg: "EnvConfig", seed: int, tokenizer: Any = None) -> Env:
+    """The workload named by ``cfg.kind``, seeded with ``seed``.
+
+    ``tokenizer`` (a Hugging Face tokenizer, optional) lets dataset workloads
+    apply the model's chat template and measure prompts in its tokens; without
+    one, chat messages are joined plainly and lengths count characters (the
+    tiny policy's tokenizer is character-level, so both agree for it).
+    """
+    return env_class(cfg.kind)(cfg, seed, tokenizer)

@@ -88,6 +88,14 @@ def preflight(cfg: ReflowConfig) -> None:
             raise InputError(f"model.path: {str(path)!r} does not exist or is not a directory")
         if not (path / "config.json").is_file():
             raise InputError(f"model.path: {str(path)!r} is not a Hugging Face model directory (no config.json)")
+    if cfg.env.data_path is not None:  # read and parse the dataset now: a bad file exits 2 before any write
+        from reflow.envs.base import env_class
+        from reflow.envs.datasets import DatasetError, check_dataset
+
+        try:
+            check_dataset(cfg.env, env_class(cfg.env.kind))
+        except DatasetError as exc:
+            raise InputError(f"env.data_path: {exc}") from None
     out = Path(cfg.run.out_dir)
     if out.exists() and not out.is_dir():
         raise InputError(f"run.out_dir: {str(out)!r} exists and is not a directory")

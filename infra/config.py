@@ -69,22 +69,70 @@ class ModelConfig(_Section):
 
 
 class EnvConfig(_Section):
-    kind: Literal["arith"] = Field("arith", description="Workload: prompts + verifiable reward.")
+    kind: Literal["arith", "math", "code"] = Field(
+        "arith", description="Workload: prompts + verifiable reward. 'arith': synthetic sums (CPU default); 'math': "
+        "DAPO-Math-17K / verl-style rows, \\boxed{} answers checked by math-verify; 'code': APPS-style rows, "
+        "programs run in a sandbox against the tests. math and code use a small synthetic dataset in the same "
+        "format unless env.data_path is set.")
     min_terms: int = Field(2, ge=2, le=64, description="arith: fewest numbers in a sum.")
     max_terms: int = Field(24, ge=2, le=64, description="arith: most numbers in a sum.")
     long_share: float = Field(0.4, ge=0, le=1, description="arith: share of sums longer than min_terms "
                                                           "(the rest have exactly min_terms terms).")
     tail_p: float = Field(0.3, gt=0, lt=1, description="arith: a long sum has min_terms + 1 + Geometric(tail_p) "
                                                        "terms; smaller means a longer tail.")
-    max_operand: int = Field(20, ge=9, le=9999, description="arith: largest operand (operands are 1..max).")
+    max_operand: int = Field(20, ge=9, le=9999, description="arith: largest operand (operands are 1..max); "
+                                                            "math, code synthetic: largest number in a problem.")
     format_reward: float = Field(0.0, ge=0, le=1, description="Reward for a well-formed answer line that is wrong.")
     eval_prompts: int = Field(128, ge=0, le=100_000, description="Held-out prompts for evaluation (0: none).")
+    data_path: str | None = Field(None, max_length=4096, description="math, code: the dataset file (.parquet or "
+                                  ".jsonl; math: verl/DAPO rows or question/answer rows; code: APPS rows). "
+                                  "Unset: the built-in synthetic dataset (with reference solutions for the tiny "
+                                  "policy's warm start).")
+    data_format: Literal["auto", "parquet", "jsonl"] = Field("auto", description="math, code: format of "
+                                                             "data_path and eval_data_path ('auto': by suffix).")
+    eval_data_path: str | None = Field(None, max_length=4096, description="math, code: a separate eval file; "
+                                       "unset: eval rows are held out of data_path (eval_holdout_share).")
+    eval_holdout_share: float = Field(0.05, ge=0, le=0.5, description="math, code: share of data_path rows held "
+                                      "out for eval (chosen by a hash of the row's content, seed-independent) "
+                                      "when eval_data_path is unset.")
+    max_prompt_tokens: int = Field(1024, ge=16, le=131_072, description="math, code: rows whose rendered prompt "
+                                   "is longer (in the model's tokens) are dropped.")
+    code_test_seconds: float = Field(5.0, gt=0, le=120, description="code: wall-clock limit of one test run "
+                                     "(CPU limit: the same, at most 10 s).")
+    code_memory_mb: int = Field(256, ge=32, le=65_536, description="code: address-space limit of a test run.")
+    code_max_tests: int = Field(16, ge=1, le=10_000, description="code: at most this many tests per problem "
+                                "(the first ones) are run.")
+    code_score_tasks: int = Field(4, ge=1, le=1024, description="code: parallel scoring tasks per batch (Ray "
+                                  "tasks in a run, threads without Ray).")
+    code_score_cpus: float = Field(0.25, ge=0, le=64, description="code: CPUs each Ray scoring task reserves "
+                                   "(0 when the actors hold every CPU of the cluster, so scoring never waits).")
 
     @model_validator(mode="after")
     def _terms_ordered(self) -> "EnvConfig":
         if self.min_terms > self.max_terms:
             raise ValueError("env.min_terms must be <= env.max_terms")
+        if self.kind == "arith" and (self.data_path or self.eval_data_path):
+            raise ValueError("env.data_path / env.eval_data_path apply to env.kind 'math' or 'code', not 'arith'")
+        if self.eval_data_path and not self.data_path:
+            raise ValueError("env.eval_data_path needs env.data_path (the synthetic dataset has its own eval split)")
+        for name in ("data_path", "eval_data_path"):
+            path = getattr(self, name)
+            if path and self.data_format == "auto" and dataset_format(path) is None:
+                raise ValueError(f"env.{name}: cannot tell the format of {path!r} from its suffix; use .parquet "
+                                 "or .jsonl, or set env.data_format")
         return self
+
+
+def dataset_format(path: str, declared: str = "auto") -> Literal["parquet", "jsonl"] | None:
+    """The format of a dataset file: ``declared`` unless 'auto', else by suffix (None: unknown)."""
+    if declared in ("parquet", "jsonl"):
+        return declared  # type: ignore[return-value]
+    lower = path.lower()
+    if lower.endswith(".parquet"):
+        return "parquet"
+    if lower.endswith((".jsonl", ".json")):
+        return "jsonl"
+    return None
 
 
 class RolloutConfig(_Section):
@@ -227,10 +275,17 @@ class ReflowConfig(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "ReflowConfig":
         if self.model.path is None:
-            longest_prompt = 8 + 6 * self.env.max_terms
+            if self.env.data_path is not None:
+                raise ValueError("env.data_path: a dataset file has no reference solutions to warm-start the tiny "
+                                 "policy on; set model.path to a Hugging Face model directory (or unset "
+                                 "env.data_path for the synthetic dataset)")
+            if self.env.kind == "arith":
+                longest_prompt, what = 8 + 6 * self.env.max_terms, "the longest arith prompt"
+            else:
+                longest_prompt, what = self.env.max_prompt_tokens, "env.max_prompt_tokens"
             if longest_prompt + self.rollout.max_response_tokens > self.model.tiny.max_position_embeddings:
                 raise ValueError(
-                    "rollout.max_response_tokens plus the longest arith prompt "
+                    f"rollout.max_response_tokens plus {what} "
                     f"({longest_prompt} tokens) exceeds model.tiny.max_position_embeddings "
                     f"({self.model.tiny.max_position_embeddings}); lower one or raise the other")
         r = self.rollout

@@ -45,9 +45,18 @@ _COMPLETE_MARKER = "model.safetensors"
 IGNORE_INDEX = -100
 
 
+# The env fields an arith warm start depends on (the EnvConfig of tiny-v3): the key hashes only
+# these for arith, so fields added for other workloads leave existing arith models cached.
+ARITH_KEY_FIELDS = ("kind", "min_terms", "max_terms", "long_share", "tail_p", "max_operand", "format_reward",
+                    "eval_prompts")
+
+
 def tiny_model_key(tiny: TinyModelConfig, env_cfg: EnvConfig, seed: int) -> str:
     """Cache key of a built model: a hash of everything that determines its weights."""
-    payload = json.dumps({"tiny": tiny.model_dump(mode="json"), "env": env_cfg.model_dump(mode="json"),
+    env = env_cfg.model_dump(mode="json")
+    if env_cfg.kind == "arith":
+        env = {name: env[name] for name in ARITH_KEY_FIELDS}
+    payload = json.dumps({"tiny": tiny.model_dump(mode="json"), "env": env,
                           "seed": seed, "code": CODE_VERSION}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -166,7 +175,9 @@ def sft_batches(env: Env, tiny: TinyModelConfig, seed: int = 0) -> Iterator[tupl
         n_batches = min(BUCKET_STEPS, tiny.sft_steps - first)
         prompts = env.prompts("train", first * per_step, n_batches * per_step)
         prompt_ids = tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
-        references = [noisy_reference(env.reference_solution(p), tiny.sft_answer_noise, order) for p in prompts]
+        corrupt = getattr(env, "corrupt_reference", None)
+        references = [noisy_reference(env.reference_solution(p), tiny.sft_answer_noise, order, corrupt)
+                      for p in prompts]
         response_ids = tokenizer(references, add_special_tokens=False)["input_ids"]
         rows = sorted(((p_ids, r_ids + [EOS_ID]) for p_ids, r_ids in zip(prompt_ids, response_ids)),
                       key=lambda row: len(row[0]) + len(row[1]))
@@ -176,10 +187,19 @@ def sft_batches(env: Env, tiny: TinyModelConfig, seed: int = 0) -> Iterator[tupl
             yield _pad_rows(batch, tiny.max_position_embeddings)
 
 
-def noisy_reference(reference: str, noise: float, rng: random.Random) -> str:
-    """With probability ``noise``, move the final ``#<answer>`` by 1..3 either way (staying >= 0)."""
+def noisy_reference(reference: str, noise: float, rng: random.Random,
+                    corrupt: Callable[[str, random.Random], str] | None = None) -> str:
+    """With probability ``noise``, a reference with a wrong final answer; else ``reference``.
+
+    ``corrupt`` is the env's optional hook ``corrupt_reference(reference, rng)``
+    (e.g. math moves the number in ``\\boxed{}``, code a constant of the
+    program). Without it, the final ``#<answer>`` (arith's answer line) moves
+    by 1..3 either way (staying >= 0).
+    """
     if rng.random() >= noise:
         return reference
+    if corrupt is not None:
+        return corrupt(reference, rng)
     body, _, answer = reference.rpartition("#")
     try:
         value = int(answer)

@@ -8,7 +8,7 @@ from typing import Any
 
 from reflow.envs.base import Env, make_env
 from reflow.infra.clock import Clock, SystemClock
-from reflow.infra.config import ReflowConfig
+from reflow.infra.config import EnvConfig, ReflowConfig
 from reflow.infra.run import RunRecord, load_config_of, load_record
 from reflow.storage.delta_store import DeltaTrajectoryStore
 
@@ -48,10 +48,16 @@ def _tokenizer(model_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+@functools.lru_cache(maxsize=4)
+def _env(env_json: str, seed: int, model_dir: str) -> Env:
+    """The workload, built once per process (a dataset workload reads and renders its file here)."""
+    return make_env(EnvConfig.model_validate_json(env_json), seed, _tokenizer(model_dir))
+
+
 def context(run_dir: str) -> TaskContext:
     """The run's record, config, workload, tokenizer, store and clock."""
     record = load_record(run_dir)
     cfg = load_config_of(run_dir)
-    return TaskContext(record=record, cfg=cfg, env=make_env(cfg.env, cfg.run.seed),
+    return TaskContext(record=record, cfg=cfg, env=_env(cfg.env.model_dump_json(), cfg.run.seed, record.model_dir),
                        tokenizer=_tokenizer(record.model_dir), store=DeltaTrajectoryStore(record.store_root),
                        clock=SystemClock())

@@ -17,7 +17,7 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from reflow.envs.base import Prompt
+from reflow.envs.base import Prompt, Score
 from reflow.infra.workers import actor
 from reflow.policies.engines import GenBatch, GenRequest, GenResult
 from reflow.storage.schema import Trajectory
@@ -90,11 +90,20 @@ def rollout(run_dir: str, step: int) -> RolloutHandle:
     return RolloutHandle(step=step, samples=ref, num_requests=len(requests), submitted_at=now)
 
 
-def _record(ctx: TaskContext, step: int, prompt: Prompt, prompt_tokens: list[int], result: GenResult) -> Trajectory:
-    """The scored record of ``result`` (request id ``<round>/<prompt id>/<sample>``), written at ``step``."""
+def _decode(ctx: TaskContext, result: GenResult) -> str:
+    return ctx.tokenizer.decode(result.response_tokens, skip_special_tokens=True)
+
+
+def _records(ctx: TaskContext, step: int, items: list[tuple[Prompt, list[int], GenResult]]) -> list[Trajectory]:
+    """Scored records of ``(prompt, prompt tokens, result)`` items written at ``step``; one batched scoring call."""
+    scores = ctx.env.score_many([p for p, _, _ in items], [_decode(ctx, r) for _, _, r in items])
+    return [_record(ctx, step, p, toks, r, s) for (p, toks, r), s in zip(items, scores)]
+
+
+def _record(ctx: TaskContext, step: int, prompt: Prompt, prompt_tokens: list[int], result: GenResult,
+            score: Score) -> Trajectory:
+    """The record of ``result`` (request id ``<round>/<prompt id>/<sample>``) with its ``score``, written at ``step``."""
     tag, prompt_id, index = result.request_id.rsplit("/", 2)
-    text = ctx.tokenizer.decode(result.response_tokens, skip_special_tokens=True)
-    score = ctx.env.score(prompt, text)
     n = len(result.response_tokens)
     return Trajectory(
         trajectory_id=f"{ctx.record.run_id}/{tag}/{prompt_id}/{index}", run_id=ctx.record.run_id,
@@ -115,10 +124,9 @@ def score(run_dir: str, handle: RolloutHandle) -> ScoreSummary:
     prompts = {p.prompt_id: p for p in _train_prompts(ctx, handle.step)}
     prompt_tokens = dict(zip(prompts, ctx.tokenizer([p.text for p in prompts.values()],
                                                     add_special_tokens=False)["input_ids"]))
-    records = []
-    for res in results:
-        pid = res.request_id.rsplit("/", 2)[1]
-        records.append(_record(ctx, handle.step, prompts[pid], list(prompt_tokens[pid]), res))
+    pids = [res.request_id.rsplit("/", 2)[1] for res in results]
+    records = _records(ctx, handle.step, [(prompts[pid], list(prompt_tokens[pid]), res)
+                                          for pid, res in zip(pids, results)])
     version = ctx.store.append_trajectories(records, app_id=f"{ctx.record.run_id}:trajectories",
                                             txn_version=handle.step)
     lengths = np.array([r.response_length for r in records], dtype=float)
@@ -141,8 +149,8 @@ def evaluate(run_dir: str, step: int) -> EvalSummary:
     batch: GenBatch = ray.get(actor(ctx.record.engines[0], ctx.record.namespace).generate.remote(requests))
     results = batch.results
     by_id = {p.prompt_id: p for p in prompts}
-    scores = [ctx.env.score(by_id[r.request_id.rsplit("/", 2)[1]],
-                            ctx.tokenizer.decode(r.response_tokens, skip_special_tokens=True)) for r in results]
+    scores = ctx.env.score_many([by_id[r.request_id.rsplit("/", 2)[1]] for r in results],
+                                [_decode(ctx, r) for r in results])
     return EvalSummary(step=step, accuracy=float(np.mean([s.correct for s in scores])),
                        reward_mean=float(np.mean([s.reward for s in scores])),
                        length_mean=float(np.mean([len(r.response_tokens) for r in results])),

@@ -22,7 +22,7 @@ from reflow.storage.delta_store import ROLLOUT_CACHE
 from reflow.storage.sampler import _quote
 from reflow.storage.schema import CachedSample
 from reflow.tasks.context import TaskContext, context, mark_origin
-from reflow.tasks.rollout import ScoreSummary, _record, _requests
+from reflow.tasks.rollout import ScoreSummary, _records, _requests
 
 _SCHEDULERS: dict[str, SortedScheduler] = {}
 
@@ -97,11 +97,12 @@ def sorted_round(run_dir: str, step: int) -> ScoreSummary:
     engine = RayRoundEngine(actor(ctx.record.engines[0], ctx.record.namespace), ctx.cfg.rollout.max_concurrent_sequences)
     result = sched.run_round(engine)
     start = ctx.clock.now()
-    records = []
+    items = []
     for g, samples in result.trainable.items():  # shortest groups first
         prompt = ctx.env.prompts("train", start=g, count=1)[0]
         tokens = list(ctx.tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
-        records += [_record(ctx, step, prompt, tokens, res) for res in samples]
+        items += [(prompt, tokens, res) for res in samples]
+    records = _records(ctx, step, items)
     app = ctx.record.run_id
     version = ctx.store.append_trajectories(records, app_id=f"{app}:trajectories", txn_version=step)
     ctx.store.append_cache(sched.snapshot(app, step), app_id=f"{app}:rollout_cache", txn_version=step)

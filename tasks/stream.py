@@ -24,7 +24,7 @@ from reflow.infra.workers import actor
 from reflow.policies.offpolicy import replay_weight
 from reflow.storage.replay import CachedTables, ReplayPolicy, ReplaySelection, select_batch
 from reflow.tasks.context import TaskContext, context, mark_origin, step_clock
-from reflow.tasks.rollout import _record, _requests
+from reflow.tasks.rollout import _records, _requests
 from reflow.tasks.update import UpdateSummary, push_weights, update
 
 
@@ -61,8 +61,8 @@ def write_groups(run_dir: str, chunk: int, results: Any) -> WriteSummary:
     prompts = {g: ctx.env.prompts("train", start=g, count=1)[0] for g in groups}
     tokens = dict(zip(groups, ctx.tokenizer([prompts[g].text for g in groups],
                                             add_special_tokens=False)["input_ids"]))
-    records = [_record(ctx, chunk, prompts[group_of(r.request_id)], list(tokens[group_of(r.request_id)]), r)
-               for r in finished]
+    records = _records(ctx, chunk, [(prompts[group_of(r.request_id)], list(tokens[group_of(r.request_id)]), r)
+                                    for r in finished])
     version = ctx.store.append_trajectories(records, app_id=f"{ctx.record.run_id}:trajectories", txn_version=chunk)
     return WriteSummary(chunk=chunk, groups=len(groups), samples=len(records), delta_version=version,
                         seconds=ctx.clock.now() - start)

@@ -80,3 +80,21 @@ def test_bench_bad_input_exits_2_and_creates_nothing(tmp_path: Path) -> None:
         assert proc.returncode == 2, (extra, proc.stderr)
         assert message in proc.stderr, (extra, proc.stderr)
         assert not (tmp_path / "b").exists()
+
+
+def test_bad_dataset_exits_2_before_anything_is_written(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    base = ["run", "--out", "runs", "--set", "env.kind=code", "--set", f'model.path="{model}"']
+    proc = _reflow(*base, "--set", f'env.data_path="{tmp_path / "missing.jsonl"}"', cwd=tmp_path)
+    assert proc.returncode == 2 and "env.data_path" in proc.stderr and "no such file" in proc.stderr
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"prompt": "x", "tests": "[]"}\n')
+    proc = _reflow(*base, "--set", f'env.data_path="{wrong}"', cwd=tmp_path)
+    assert proc.returncode == 2 and "row 0: missing column 'question'" in proc.stderr, proc.stderr
+    math_rows = tmp_path / "math.jsonl"
+    math_rows.write_text('{"question": "1+1?", "answer": "2"}\n')
+    proc = _reflow(*base, "--set", f'env.data_path="{math_rows}"', cwd=tmp_path)  # math rows for the code env
+    assert proc.returncode == 2 and "missing column 'input_output'" in proc.stderr
+    assert not (tmp_path / "runs").exists()

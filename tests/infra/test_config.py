@@ -58,3 +58,28 @@ def test_every_field_is_documented() -> None:
 
     walk(ReflowConfig)
     json.loads(config_to_json(load_config()))
+
+
+def test_dataset_workload_fields_are_checked() -> None:
+    cfg = load_config(REPO / "configs/math.toml")
+    assert cfg.env.kind == "math" and cfg.env.data_path is None
+    with pytest.raises(ConfigError, match="set model.path"):
+        load_config(None, ["env.kind=math", "env.data_path=data/dapo.parquet"])
+    with pytest.raises(ConfigError, match="apply to env.kind 'math' or 'code'"):
+        load_config(None, ["env.data_path=d.parquet", "model.path=/m"])
+    with pytest.raises(ConfigError, match="env.eval_data_path needs env.data_path"):
+        load_config(None, ["env.kind=code", "env.eval_data_path=e.jsonl"])
+    with pytest.raises(ConfigError, match="cannot tell the format"):
+        load_config(None, ["env.kind=code", "env.data_path=d.csv", "model.path=/m"])
+    assert load_config(None, ["env.kind=code", "env.data_path=d.csv", "env.data_format=jsonl",
+                              "model.path=/m"]).env.data_format == "jsonl"
+    with pytest.raises(ConfigError, match="env.eval_holdout_share"):
+        load_config(None, ["env.kind=math", "env.eval_holdout_share=0.9"])
+
+
+def test_prompt_bound_of_the_tiny_model_is_per_workload() -> None:
+    load_config(None, ["env.kind=math", "env.max_prompt_tokens=300"])  # 300 + 192 <= 512
+    with pytest.raises(ConfigError, match=r"env.max_prompt_tokens \(400 tokens\) exceeds"):
+        load_config(None, ["env.kind=math", "env.max_prompt_tokens=400"])
+    with pytest.raises(ConfigError, match="longest arith prompt"):
+        load_config(None, ["env.max_terms=64"])

@@ -107,3 +107,30 @@ def test_lr_schedule_warms_up_then_decays() -> None:
     assert factors[0] < factors[4] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(factors[5:], factors[6:]))
     assert factors[-1] == pytest.approx(0.1, abs=0.01)
+
+
+def test_arith_cache_keys_ignore_the_fields_of_other_workloads() -> None:
+    from reflow.infra.config import load_config
+
+    repo = Path(__file__).resolve().parents[2]
+    # the keys of the shipped arith configs before the math/code fields existed (tiny-v3)
+    for name, key in (("default", "6e1a96d0d8d7c8a9"), ("smoke", "e3e30d682b9594c4")):
+        cfg = load_config(repo / f"configs/{name}.toml")
+        assert tiny_model_key(cfg.model.tiny, cfg.env, cfg.run.seed) == key
+    base = tiny_model_key(SMALL, EnvConfig(), 0)
+    assert tiny_model_key(SMALL, EnvConfig(code_memory_mb=512, max_prompt_tokens=99), 0) == base
+    assert tiny_model_key(SMALL, EnvConfig(kind="math"), 0) != base
+    assert tiny_model_key(SMALL, EnvConfig(kind="math"), 0) != tiny_model_key(SMALL, EnvConfig(kind="code"), 0)
+
+
+def test_noisy_reference_uses_the_env_hook() -> None:
+    from reflow.envs.math_env import MathEnv
+
+    rng = random.Random(0)
+    reference = "7+5=12\n\\boxed{12}"
+    noisy = [noisy_reference(reference, 0.4, rng, MathEnv.corrupt_reference) for _ in range(500)]
+    changed = [n for n in noisy if n != reference]
+    assert 0.3 < len(changed) / len(noisy) < 0.5
+    for n in changed:
+        body, _, boxed = n.partition("\\boxed{")
+        assert body == "7+5=12\n" and 1 <= abs(int(boxed.rstrip("}")) - 12) <= 3
