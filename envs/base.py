@@ -72,4 +72,8 @@ def make_env(cfg: "EnvConfig", seed: int) -> Env:
         from reflow.envs.arith import ArithEnv
 
         return ArithEnv(cfg, seed)
+    if cfg.kind == "tool_calc":
+        from reflow.envs.tool_calc import ToolCalcEnv
+
+        return ToolCalcEnv(cfg, seed)
     raise ValueError(f"env.kind: unknown workload {cfg.kind!r}")

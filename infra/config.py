@@ -69,14 +69,17 @@ class ModelConfig(_Section):
 
 
 class EnvConfig(_Section):
-    kind: Literal["arith"] = Field("arith", description="Workload: prompts + verifiable reward.")
+    kind: Literal["arith", "tool_calc"] = Field(
+        "arith", description="Workload: prompts + verifiable reward. 'tool_calc': products of 3-4 digit numbers "
+        "(operands 100..max_operand) solved with a code tool call; needs tools.max_calls >= 1.")
     min_terms: int = Field(2, ge=2, le=64, description="arith: fewest numbers in a sum.")
     max_terms: int = Field(24, ge=2, le=64, description="arith: most numbers in a sum.")
     long_share: float = Field(0.4, ge=0, le=1, description="arith: share of sums longer than min_terms "
                                                           "(the rest have exactly min_terms terms).")
     tail_p: float = Field(0.3, gt=0, lt=1, description="arith: a long sum has min_terms + 1 + Geometric(tail_p) "
                                                        "terms; smaller means a longer tail.")
-    max_operand: int = Field(20, ge=9, le=9999, description="arith: largest operand (operands are 1..max).")
+    max_operand: int = Field(20, ge=9, le=9999, description="arith: largest operand (operands are 1..max); "
+                                "tool_calc: operands are 100..max.")
     format_reward: float = Field(0.0, ge=0, le=1, description="Reward for a well-formed answer line that is wrong.")
     eval_prompts: int = Field(128, ge=0, le=100_000, description="Held-out prompts for evaluation (0: none).")
 
@@ -139,6 +142,21 @@ class TrainConfig(_Section):
     is_cap_mode: Literal["truncate", "mask"] = Field(
         "truncate", description="decoupled: above the cap, truncate the weight (verl's TIS) or drop the token "
         "(mask, AReaL's code).")
+
+
+class ToolsConfig(_Section):
+    """Multi-turn tool use (ReTool-style): the policy's code blocks run in the sandbox between turns."""
+
+    max_calls: int = Field(0, ge=0, le=64, description="Most tool calls per response (0: single-turn, no "
+                           "tools). Generation stops after each '</code>'; the block runs and its output is "
+                           "appended inside <output>...</output> (masked out of the loss).")
+    max_output_chars: int = Field(256, ge=8, le=65_536, description="Tool output kept per call (longer output "
+                                  "is cut and ends with '...'); it counts against rollout.max_response_tokens.")
+    timeout_s: float = Field(5.0, gt=0, le=600, description="CPU-time limit of one call (wall clock: 1 s more).")
+    cpus_per_call: float = Field(0.0, ge=0, le=64, description="CPUs Ray reserves per tool-call task (0: none; "
+                                 "the sandbox limits each call's CPU time itself).")
+    max_concurrent_calls: int = Field(4, ge=1, le=4096, description="Tool calls running at once per engine "
+                                      "(more wait in a queue; generation of other requests goes on).")
 
 
 class ModeConfig(_Section):
@@ -218,6 +236,7 @@ class ReflowConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     mode: ModeConfig = Field(default_factory=ModeConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -239,6 +258,14 @@ class ReflowConfig(_Section):
                 raise ValueError(f"rollout.scheduling={r.scheduling!r} needs mode.kind='sync' (the streaming modes "
                                  "already resume partial responses across updates: use 'sorted_partial' or 'plain' "
                                  "there)")
+        if self.env.kind == "tool_calc" and self.tools.max_calls == 0:
+            raise ValueError("env.kind='tool_calc' needs tool calls: set tools.max_calls >= 1")
+        if self.env.kind == "tool_calc" and self.env.max_operand < 100:
+            raise ValueError("env.kind='tool_calc' draws operands from 100..env.max_operand: set env.max_operand "
+                             ">= 100")
+        if self.tools.max_calls and r.scheduling != "plain":
+            raise ValueError(f"tools.max_calls > 0 needs rollout.scheduling='plain' (sorted rounds do not keep "
+                             f"the turn structure of cached partial responses; got {r.scheduling!r})")
         if r.scheduling != "plain" and r.early_stop == "tokens" and r.round_tokens == 0:
             raise ValueError("rollout.early_stop='tokens' needs rollout.round_tokens > 0")
         c = self.concurrency

@@ -101,7 +101,7 @@ def _record(ctx: TaskContext, step: int, prompt: Prompt, prompt_tokens: list[int
         prompt_id=prompt_id, group_id=f"{ctx.record.run_id}/{tag}/{prompt_id}", sample_index=int(index),
         env=prompt.env, rollout_step=step, policy_version=result.version, prompt_tokens=prompt_tokens,
         response_tokens=result.response_tokens, behaviour_logprobs=result.logprobs,
-        token_versions=list(result.token_versions), loss_mask=[1] * n, reward=score.reward, correct=score.correct,
+        token_versions=list(result.token_versions), loss_mask=result.mask(), reward=score.reward, correct=score.correct,
         finish_reason=result.finish_reason, response_length=n)
 
 
