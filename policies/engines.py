@@ -367,8 +367,11 @@ class TransformersEngine:
             attn[i, width - len(p):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         steps = max(r.max_tokens - len(r.resume_tokens) for r in batch)
-        stops = sorted({s for r in batch for s in r.stop})
-        extra = {"stop_strings": stops, "tokenizer": self._tokenizer()} if stops else {}
+        # generate's stop strings end every row of the batch that hits one: only when all rows share them
+        # (the tool driver's case); otherwise rows are cut after the fact (``_trim``).
+        stops = {r.stop for r in batch}
+        shared = next(iter(stops)) if len(stops) == 1 else ()
+        extra = {"stop_strings": list(shared), "tokenizer": self._tokenizer()} if shared else {}
         out = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=True,
                                   temperature=self.settings.temperature, top_k=0, top_p=1.0,
                                   max_new_tokens=steps, eos_token_id=pad, pad_token_id=pad,
