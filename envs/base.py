@@ -99,6 +99,10 @@ def env_class(kind: str) -> type:
         from reflow.envs.code_env import CodeEnv
 
         return CodeEnv
+    if kind == "tool_calc":
+        from reflow.envs.tool_calc import ToolCalcEnv
+
+        return ToolCalcEnv
     raise ValueError(f"env.kind: unknown workload {kind!r}")
 
 

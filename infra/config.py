@@ -69,11 +69,12 @@ class ModelConfig(_Section):
 
 
 class EnvConfig(_Section):
-    kind: Literal["arith", "math", "code"] = Field(
+    kind: Literal["arith", "math", "code", "tool_calc"] = Field(
         "arith", description="Workload: prompts + verifiable reward. 'arith': synthetic sums (CPU default); 'math': "
         "DAPO-Math-17K / verl-style rows, \\boxed{} answers checked by math-verify; 'code': APPS-style rows, "
         "programs run in a sandbox against the tests. math and code use a small synthetic dataset in the same "
-        "format unless env.data_path is set.")
+        "format unless env.data_path is set. 'tool_calc': products of 3-4 digit numbers (operands "
+        "100..max_operand) solved with a code tool call; needs tools.max_calls >= 1.")
     min_terms: int = Field(2, ge=2, le=64, description="arith: fewest numbers in a sum.")
     max_terms: int = Field(24, ge=2, le=64, description="arith: most numbers in a sum.")
     long_share: float = Field(0.4, ge=0, le=1, description="arith: share of sums longer than min_terms "
@@ -81,7 +82,8 @@ class EnvConfig(_Section):
     tail_p: float = Field(0.3, gt=0, lt=1, description="arith: a long sum has min_terms + 1 + Geometric(tail_p) "
                                                        "terms; smaller means a longer tail.")
     max_operand: int = Field(20, ge=9, le=9999, description="arith: largest operand (operands are 1..max); "
-                                                            "math, code synthetic: largest number in a problem.")
+                                                            "math, code synthetic: largest number in a problem; "
+                                                            "tool_calc: operands are 100..max.")
     format_reward: float = Field(0.0, ge=0, le=1, description="Reward for a well-formed answer line that is wrong.")
     eval_prompts: int = Field(128, ge=0, le=100_000, description="Held-out prompts for evaluation (0: none).")
     data_path: str | None = Field(None, max_length=4096, description="math, code: the dataset file (.parquet or "
@@ -189,6 +191,21 @@ class TrainConfig(_Section):
         "(mask, AReaL's code).")
 
 
+class ToolsConfig(_Section):
+    """Multi-turn tool use (ReTool-style): the policy's code blocks run in the sandbox between turns."""
+
+    max_calls: int = Field(0, ge=0, le=64, description="Most tool calls per response (0: single-turn, no "
+                           "tools). Generation stops after each '</code>'; the block runs and its output is "
+                           "appended inside <output>...</output> (masked out of the loss).")
+    max_output_chars: int = Field(256, ge=8, le=65_536, description="Tool output kept per call (longer output "
+                                  "is cut and ends with '...'); it counts against rollout.max_response_tokens.")
+    timeout_s: float = Field(5.0, gt=0, le=600, description="CPU-time limit of one call (wall clock: 1 s more).")
+    cpus_per_call: float = Field(0.0, ge=0, le=64, description="CPUs Ray reserves per tool-call task (0: none; "
+                                 "the sandbox limits each call's CPU time itself).")
+    max_concurrent_calls: int = Field(4, ge=1, le=4096, description="Tool calls running at once per engine "
+                                      "(more wait in a queue; generation of other requests goes on).")
+
+
 class ModeConfig(_Section):
     kind: Literal["sync", "one_step_off", "async", "reflow"] = Field(
         "sync", description="Orchestration mode: 'sync' generates the whole batch, then trains (verl's default); "
@@ -266,6 +283,7 @@ class ReflowConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     mode: ModeConfig = Field(default_factory=ModeConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -281,6 +299,8 @@ class ReflowConfig(_Section):
                                  "env.data_path for the synthetic dataset)")
             if self.env.kind == "arith":
                 longest_prompt, what = 8 + 6 * self.env.max_terms, "the longest arith prompt"
+            elif self.env.kind == "tool_calc":
+                longest_prompt, what = 2 + 2 * len(str(self.env.max_operand)), "the longest tool_calc prompt"
             else:
                 longest_prompt, what = self.env.max_prompt_tokens, "env.max_prompt_tokens"
             if longest_prompt + self.rollout.max_response_tokens > self.model.tiny.max_position_embeddings:
@@ -294,6 +314,14 @@ class ReflowConfig(_Section):
                 raise ValueError(f"rollout.scheduling={r.scheduling!r} needs mode.kind='sync' (the streaming modes "
                                  "already resume partial responses across updates: use 'sorted_partial' or 'plain' "
                                  "there)")
+        if self.env.kind == "tool_calc" and self.tools.max_calls == 0:
+            raise ValueError("env.kind='tool_calc' needs tool calls: set tools.max_calls >= 1")
+        if self.env.kind == "tool_calc" and self.env.max_operand < 100:
+            raise ValueError("env.kind='tool_calc' draws operands from 100..env.max_operand: set env.max_operand "
+                             ">= 100")
+        if self.tools.max_calls and r.scheduling != "plain":
+            raise ValueError(f"tools.max_calls > 0 needs rollout.scheduling='plain' (sorted rounds do not keep "
+                             f"the turn structure of cached partial responses; got {r.scheduling!r})")
         if r.scheduling != "plain" and r.early_stop == "tokens" and r.round_tokens == 0:
             raise ValueError("rollout.early_stop='tokens' needs rollout.round_tokens > 0")
         c = self.concurrency

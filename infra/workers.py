@@ -23,15 +23,22 @@ def _quiet_env(threads: int) -> dict[str, str]:
 
 
 class EngineWorker:
-    """Hosts one generation ``Engine`` in its own process."""
+    """Hosts one generation ``Engine`` in its own process.
 
-    def __init__(self, kind: str, settings: Any, version: int = 0) -> None:
+    With ``tools`` (``infra.multiturn.ToolSettings``) and ``tool_fn`` (what one
+    tool call runs, e.g. ``envs.tools.run_tool_call``) the engine is wrapped in
+    a ``MultiTurnEngine``: tool calls run as Ray tasks while generation goes on.
+    """
+
+    def __init__(self, kind: str, settings: Any, version: int = 0, tools: Any = None, tool_fn: Any = None) -> None:
         import torch
 
         from reflow.policies.engines import make_engine
 
         torch.set_num_threads(settings.threads)
         self.engine = make_engine(kind, settings, version)
+        if tools is not None:
+            self.engine = _multi_turn(self.engine, settings.model_dir, tools, tool_fn)
         self.max_sequences = settings.max_concurrent_sequences
 
     def generate(self, requests: Sequence[Any]) -> Any:
@@ -79,6 +86,17 @@ class EngineWorker:
 
     def version(self) -> int:
         return self.engine.version
+
+
+def _multi_turn(engine: Any, model_dir: str, tools: Any, tool_fn: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    from reflow.infra.multiturn import MultiTurnEngine, RayToolRunner
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return MultiTurnEngine(engine, tools, RayToolRunner(tool_fn, tools),
+                           encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
+                           decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
 
 
 @dataclass(frozen=True)
@@ -192,9 +210,22 @@ def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
 
 
 def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root: str,
-                   engine_settings: Any, version: int = 0) -> Placement:
-    """Create the engine and trainer actors and wait until both are ready."""
+                   engine_settings: Any, version: int = 0, tool_fn: Any = None) -> Placement:
+    """Create the engine and trainer actors and wait until both are ready.
+
+    With ``cfg.tools.max_calls > 0`` the engine runs multi-turn tool use and
+    ``tool_fn`` (transcript, timeout_s, max_chars) -> appended text is its tool.
+    """
     from reflow.infra.config import config_to_json
+    from reflow.infra.multiturn import ToolSettings
+
+    t = cfg.tools
+    tools = None
+    if t.max_calls:
+        if tool_fn is None:
+            raise ValueError("tools.max_calls > 0 but no tool function was given to launch_workers")
+        tools = ToolSettings(max_calls=t.max_calls, max_output_chars=t.max_output_chars, timeout_s=t.timeout_s,
+                             cpus_per_call=t.cpus_per_call, max_concurrent_calls=t.max_concurrent_calls)
 
     res = cfg.resources
     env = {"env_vars": _quiet_env(res.torch_threads)}
@@ -202,7 +233,7 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
     trainer_name = "trainer"
     engine = ray.remote(EngineWorker).options(
         name=engine_name, namespace=namespace, num_cpus=res.engine_cpus, num_gpus=res.engine_gpus,
-        runtime_env=env, max_concurrency=1).remote(cfg.rollout.engine, engine_settings, version)
+        runtime_env=env, max_concurrency=1).remote(cfg.rollout.engine, engine_settings, version, tools, tool_fn)
     trainer = ray.remote(TrainerWorker).options(
         name=trainer_name, namespace=namespace, num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
         runtime_env=env).remote(model_dir, config_to_json(cfg), store_root, res.torch_threads)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -36,7 +36,9 @@ class GenRequest:
     was generated so far in ``resume_*`` (aligned, one entry per token); the
     engine continues after them and its result includes them unchanged, so
     every token keeps the log-prob and version it was sampled with.
-    ``max_tokens`` counts the resumed tokens too.
+    ``max_tokens`` counts the resumed tokens too. ``stop``: strings that end
+    the sample (finish reason ``stop``) right after the token that completes
+    one, which is kept (the multi-turn tool driver stops on ``</code>``).
     """
 
     request_id: str
@@ -46,6 +48,7 @@ class GenRequest:
     resume_logprobs: list[float] = field(default_factory=list)
     resume_versions: list[int] = field(default_factory=list)
     submitted_version: int | None = None  # version when first submitted (None: now)
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not len(self.resume_tokens) == len(self.resume_logprobs) == len(self.resume_versions):
@@ -57,7 +60,12 @@ class GenRequest:
 
 @dataclass(frozen=True)
 class GenResult:
-    """A finished (or aborted) sample; one log-prob and one policy version per response token."""
+    """A finished (or aborted) sample; one log-prob and one policy version per response token.
+
+    ``loss_mask`` (one entry per token when set) is 1 for tokens the policy
+    sampled and 0 for tokens inserted by a tool; None means every token is the
+    policy's (a single-turn engine never inserts any).
+    """
 
     request_id: str
     response_tokens: list[int]
@@ -65,6 +73,16 @@ class GenResult:
     finish_reason: str  # "stop" | "length" | "abort"
     token_versions: list[int]
     submitted_version: int  # engine version when the request was submitted
+    loss_mask: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.response_tokens):
+            raise ValueError(f"result {self.request_id}: loss_mask has {len(self.loss_mask)} entries for "
+                             f"{len(self.response_tokens)} tokens")
+
+    def mask(self) -> list[int]:
+        """The loss mask with one entry per response token (all 1 when unset)."""
+        return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_tokens)
 
     @property
     def version(self) -> int:
@@ -203,10 +221,11 @@ class VLLMEngine:
                         enforce_eager=settings.enforce_eager, enable_prefix_caching=True,
                         disable_log_stats=True)
         self._engine = self._llm.llm_engine
-        self._make_params = lambda max_tokens: SamplingParams(
+        # Stop strings need detokenized text; without them vLLM skips detokenizing (faster).
+        self._make_params = lambda max_tokens, stop: SamplingParams(
             temperature=settings.temperature, max_tokens=max_tokens, logprobs=0, n=1,
-            stop_token_ids=[settings.eos_token_id], detokenize=False, skip_special_tokens=False,
-            output_kind=RequestOutputKind.DELTA)
+            stop_token_ids=[settings.eos_token_id], stop=list(stop) or None, include_stop_str_in_output=True,
+            detokenize=bool(stop), skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
         self._pending: dict[str, _Progress] = {}  # by request id
         self._by_engine_id: dict[str, _Progress] = {}  # by the id vLLM knows
         self._resumes = 0
@@ -227,7 +246,7 @@ class VLLMEngine:
         self._by_engine_id[progress.engine_id] = progress
         self._engine.add_request(progress.engine_id,
                                  TokensPrompt(prompt_token_ids=list(req.prompt_tokens) + progress.tokens),
-                                 self._make_params(req.max_tokens - len(progress.tokens)))
+                                 self._make_params(req.max_tokens - len(progress.tokens), req.stop))
 
     def collect(self, max_steps: int = 1) -> list[GenResult]:
         """Up to ``max_steps`` engine steps; the requests that finished in them.
@@ -307,6 +326,7 @@ class TransformersEngine:
         self.model.eval()
         self._queue: list[GenRequest] = []
         self._generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        self._tok: Any = None  # loaded when a request has stop strings
 
     def submit(self, requests: Sequence[GenRequest]) -> None:
         self._queue.extend(requests)
@@ -347,10 +367,15 @@ class TransformersEngine:
             attn[i, width - len(p):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         steps = max(r.max_tokens - len(r.resume_tokens) for r in batch)
+        # generate's stop strings end every row of the batch that hits one: only when all rows share them
+        # (the tool driver's case); otherwise rows are cut after the fact (``_trim``).
+        stops = {r.stop for r in batch}
+        shared = next(iter(stops)) if len(stops) == 1 else ()
+        extra = {"stop_strings": list(shared), "tokenizer": self._tokenizer()} if shared else {}
         out = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=True,
                                   temperature=self.settings.temperature, top_k=0, top_p=1.0,
                                   max_new_tokens=steps, eos_token_id=pad, pad_token_id=pad,
-                                  output_scores=True, return_dict_in_generate=True)
+                                  output_scores=True, return_dict_in_generate=True, **extra)
         new = out.sequences[:, width:]
         scores = torch.stack(out.scores, dim=1).float()  # (B, steps, V) after temperature
         logp = torch.log_softmax(scores, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
@@ -362,11 +387,36 @@ class TransformersEngine:
         reason = "length"
         if eos in toks:
             toks, reason = toks[: toks.index(eos) + 1], "stop"
+        if req.stop:  # a stop string ends the sample first (generate pads a stopped row with EOS)
+            end = self._stop_end(toks, req.stop)
+            if end is not None:
+                toks, reason = toks[:end], "stop"
         n = len(toks)
         submitted = self.version if req.submitted_version is None else req.submitted_version
         return GenResult(req.request_id, list(req.resume_tokens) + toks,
                          list(req.resume_logprobs) + logp[:n].tolist(), reason,
                          list(req.resume_versions) + [self.version] * n, submitted)
+
+    def _tokenizer(self) -> Any:
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(self.settings.model_dir)
+        return self._tok
+
+    def _stop_end(self, tokens: list[int], stops: tuple[str, ...]) -> int | None:
+        """Length of the shortest prefix of ``tokens`` whose text contains a stop string (None: no stop)."""
+        decode = lambda ids: self._tokenizer().decode(ids, skip_special_tokens=False)  # noqa: E731
+        if not any(s in decode(tokens) for s in stops):
+            return None
+        lo, hi = 1, len(tokens)  # containment is monotone in the prefix length: binary search
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in decode(tokens[:mid]) for s in stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.model.load_state_dict(state, strict=False)

@@ -32,6 +32,7 @@ import torch
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from reflow.envs.base import Env, make_env
+from reflow.envs.tools import output_spans
 from reflow.infra.config import EnvConfig, ModelConfig, TinyModelConfig
 from reflow.policies.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer, save_tokenizer
 
@@ -162,7 +163,9 @@ def sft_batches(env: Env, tiny: TinyModelConfig, seed: int = 0) -> Iterator[tupl
 
     A row is prompt + reference + ``<eos>``, right-padded with ``<pad>``; labels
     copy the ids on response tokens (incl. ``<eos>``) and are ``IGNORE_INDEX``
-    on prompt and padding. No attention mask is needed: padding only follows
+    on prompt, padding and tool output (``<output>`` spans of tool-using
+    references: as in RL, the policy is never trained to write them; the
+    tokenizer is character-level, so character spans are token spans). No attention mask is needed: padding only follows
     the real tokens, and causal attention never lets a real token see it.
     Examples are drawn ``BUCKET_STEPS`` batches at a time, sorted by length and
     cut into batches (shuffled): the long tail would otherwise make most of
@@ -179,7 +182,8 @@ def sft_batches(env: Env, tiny: TinyModelConfig, seed: int = 0) -> Iterator[tupl
         references = [noisy_reference(env.reference_solution(p), tiny.sft_answer_noise, order, corrupt)
                       for p in prompts]
         response_ids = tokenizer(references, add_special_tokens=False)["input_ids"]
-        rows = sorted(((p_ids, r_ids + [EOS_ID]) for p_ids, r_ids in zip(prompt_ids, response_ids)),
+        rows = sorted(((p_ids, r_ids + [EOS_ID], output_spans(ref))
+                       for p_ids, r_ids, ref in zip(prompt_ids, response_ids, references)),
                       key=lambda row: len(row[0]) + len(row[1]))
         batches = [rows[i * per_step:(i + 1) * per_step] for i in range(n_batches)]
         order.shuffle(batches)
@@ -209,14 +213,17 @@ def noisy_reference(reference: str, noise: float, rng: random.Random,
     return f"{body}#{value + delta if value + delta >= 0 else value - delta}"
 
 
-def _pad_rows(rows: list[tuple[list[int], list[int]]], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = min(max_len, max(len(p) + len(r) for p, r in rows))
+def _pad_rows(rows: list[tuple[list[int], list[int], list[tuple[int, int]]]],
+              max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = min(max_len, max(len(p) + len(r) for p, r, _ in rows))
     input_ids = torch.full((len(rows), longest), PAD_ID, dtype=torch.long)
     labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
-    for i, (prompt_ids, response_ids) in enumerate(rows):
+    for i, (prompt_ids, response_ids, masked) in enumerate(rows):
         ids = (prompt_ids + response_ids)[:longest]
         input_ids[i, : len(ids)] = torch.tensor(ids)
         labels[i, len(prompt_ids): len(ids)] = torch.tensor(ids[len(prompt_ids):])
+        for start, end in masked:  # spans index the response
+            labels[i, len(prompt_ids) + start: len(prompt_ids) + end] = IGNORE_INDEX
     return input_ids, labels
 
 

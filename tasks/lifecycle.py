@@ -55,7 +55,11 @@ def prepare(config_json: str, run_dir: str, run_id: str) -> str:
     namespace = f"reflow-{run_id}"
     print(f"starting Ray and workers ({cfg.rollout.engine} engine, torch trainer)...", flush=True)
     start_ray(cfg, namespace, verbose=os.environ.get("REFLOW_VERBOSE") == "1")
-    placement = launch_workers(cfg, namespace, model_dir, store_root, _engine_settings(cfg, model_dir))
+    tool_fn = None
+    if cfg.tools.max_calls:
+        from reflow.envs.tools import run_tool_call as tool_fn
+    placement = launch_workers(cfg, namespace, model_dir, store_root, _engine_settings(cfg, model_dir),
+                               tool_fn=tool_fn)
     tracking_uri = default_tracking_uri(cfg)
     tracker = make_tracker(tracking_uri, cfg.tracking.experiment, Path(cfg.run.out_dir))
     tags = {"reflow.mode": cfg.mode.kind, "reflow.run_dir": str(Path(run_dir).resolve()),

@@ -51,6 +51,7 @@ class ScoreSummary:
     resumed: int = 0  # sorted rounds: partial responses resumed
     aborted: int = 0  # sorted rounds: requests aborted at the round's end
     cached_groups: int = 0  # sorted rounds: groups left in the rollout cache
+    tool_calls: int = 0  # tool outputs appended (multi-turn tool use)
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,13 @@ def _record(ctx: TaskContext, step: int, prompt: Prompt, prompt_tokens: list[int
         prompt_id=prompt_id, group_id=f"{ctx.record.run_id}/{tag}/{prompt_id}", sample_index=int(index),
         env=prompt.env, rollout_step=step, policy_version=result.version, prompt_tokens=prompt_tokens,
         response_tokens=result.response_tokens, behaviour_logprobs=result.logprobs,
-        token_versions=list(result.token_versions), loss_mask=[1] * n, reward=score.reward, correct=score.correct,
+        token_versions=list(result.token_versions), loss_mask=result.mask(), reward=score.reward, correct=score.correct,
         finish_reason=result.finish_reason, response_length=n)
+
+
+def tool_calls(loss_mask: list[int]) -> int:
+    """Tool outputs in a response: runs of mask-0 tokens."""
+    return sum(1 for i, m in enumerate(loss_mask) if m == 0 and (i == 0 or loss_mask[i - 1] == 1))
 
 
 @task(name="score", cache_policy=NO_CACHE)
@@ -136,6 +142,7 @@ def score(run_dir: str, handle: RolloutHandle) -> ScoreSummary:
                         length_mean=float(lengths.mean()), length_p50=float(np.percentile(lengths, 50)),
                         length_p99=float(np.percentile(lengths, 99)), generated_tokens=int(lengths.sum()),
                         generation_seconds=batch.seconds, seconds=ctx.clock.now() - start,
+                        tool_calls=sum(tool_calls(r.loss_mask) for r in records),
                         bubble_ratio=max(0.0, 1.0 - batch.busy_slot_seconds / max(batch.slots * batch.seconds, 1e-9)))
 
 

@@ -40,6 +40,8 @@ def test_config_is_frozen_and_round_trips_json() -> None:
     ("run=3", "run"),
     ("nosuch=1", "unknown field"),
     ("rollout.prompts_per_step", "expected key.path=value"),
+    ("env.kind=tool_calc", "needs tool calls: set tools.max_calls >= 1"),
+    ("tools.max_output_chars=2", "tools.max_output_chars"),
 ])
 def test_invalid_values_name_the_field(override: str, needle: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -83,3 +85,12 @@ def test_prompt_bound_of_the_tiny_model_is_per_workload() -> None:
         load_config(None, ["env.kind=math", "env.max_prompt_tokens=400"])
     with pytest.raises(ConfigError, match="longest arith prompt"):
         load_config(None, ["env.max_terms=64"])
+
+
+def test_tools_cross_checks() -> None:
+    base = ["env.kind=tool_calc", "tools.max_calls=1", "env.max_operand=9999"]
+    assert load_config(None, base).tools.max_calls == 1
+    with pytest.raises(ConfigError, match="env.max_operand >= 100"):
+        load_config(None, ["env.kind=tool_calc", "tools.max_calls=1"])
+    with pytest.raises(ConfigError, match="rollout.scheduling='plain'"):
+        load_config(None, [*base, "rollout.scheduling=sorted_on_policy"])

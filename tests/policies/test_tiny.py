@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from reflow.envs.arith import ArithEnv
+from reflow.envs.tool_calc import ToolCalcEnv
 from reflow.infra.config import EnvConfig, ModelConfig, TinyModelConfig
 from reflow.policies import tiny as tiny_module
 from reflow.policies.tiny import (IGNORE_INDEX, ensure_tiny_model, lr_factor, noisy_reference, sft_batches,
@@ -88,6 +89,24 @@ def test_sft_batches_train_on_response_and_eos_only() -> None:
             assert row_ids[trained[0] - 1] == equals_id  # the prompt ends with "=" and is not trained on
             assert row_ids[trained[-1]] == EOS_ID
             assert all(token == PAD_ID for token in row_ids[trained[-1] + 1:])
+
+
+def test_sft_batches_do_not_train_on_tool_output() -> None:
+    env = ToolCalcEnv(EnvConfig(kind="tool_calc", max_operand=9999), seed=0)
+    tok = build_tokenizer()
+    rows = 0
+    for input_ids, labels in sft_batches(env, SMALL.model_copy(update={"sft_steps": 8})):
+        for row_ids, row_labels in zip(input_ids.tolist(), labels.tolist()):
+            text = tok.decode(row_ids, skip_special_tokens=True)
+            if "<code>" not in text:
+                continue
+            rows += 1
+            trained = tok.decode([t for t, label in zip(row_ids, row_labels) if label != IGNORE_INDEX],
+                                 skip_special_tokens=True)
+            code = text[text.index("<code>"): text.index("</code>") + len("</code>")]
+            answer = text[text.rindex("#"):]
+            assert trained == code + answer  # the code block and the answer line, not the output between
+    assert rows > 0
 
 
 def test_noisy_reference_moves_only_the_answer() -> None:

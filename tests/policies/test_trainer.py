@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -68,6 +69,26 @@ def test_loss_mask_excludes_tokens(random_model_dir: Path) -> None:
     masked = TrainSample([5, 6], [7, 8], [-4.0, -4.0], [0, 0], advantage=1.0, loss_weight=1.0)
     metrics = trainer.step([masked])
     assert metrics.trained_tokens == 0 and metrics.grad_norm == pytest.approx(0.0)
+
+
+def test_tool_output_tokens_leave_the_loss_and_its_normaliser(random_model_dir: Path) -> None:
+    """Response [7, 8, 9] with the middle token tool output (mask 0, placeholder log-prob 0.0).
+
+    Decoupled loss on fresh data: r = 1, so loss_t = -w_t * A with w_t = exp(logp_t - behaviour_t).
+    Behaviour = logp - log(1.5) on the policy tokens gives w = 1.5 there: token_mean over the 2 policy
+    tokens is -1.5 * A; had the masked token counted, it would be (-3 - exp(logp_8)) * A / 3.
+    """
+    trainer = Trainer(str(random_model_dir), TrainConfig(), seed=0)
+    prompt, response = [5, 6], [7, 8, 9]
+    with torch.no_grad():
+        logits = trainer.model(input_ids=torch.tensor([prompt + response])).logits[0, 1:-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1).tolist()
+    shift = math.log(1.5)
+    behaviour = [logp[0] - shift, 0.0, logp[2] - shift]
+    metrics = trainer.step([TrainSample(prompt, response, behaviour, [1, 0, 1], advantage=2.0, loss_weight=1.0)])
+    assert metrics.trained_tokens == 2
+    assert metrics.loss == pytest.approx(-1.5 * 2.0, rel=1e-4)
+    assert metrics.ratio_mean == pytest.approx(1.5, rel=1e-4)
 
 
 def test_checkpoint_round_trip(random_model_dir: Path, tmp_path: Path) -> None:
