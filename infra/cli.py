@@ -299,8 +299,10 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
             cfg = ReflowConfig.model_validate(manifest["config"])
         except ValueError as exc:
             raise ConfigError(f"the recorded config of {original_id} is not valid with this code: {exc}") from None
-        if args.out:
-            cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"out_dir": args.out})})
+        # The repeat goes under --out (else where the original went) and is tracked next to the original.
+        run = cfg.run.model_copy(update={"out_dir": args.out}) if args.out else cfg.run
+        cfg = cfg.model_copy(update={"run": run,
+                                     "tracking": cfg.tracking.model_copy(update={"tracking_uri": tracking_uri})})
         preflight(cfg)
         warnings = check_inputs(manifest, compare_checkpoints=not args.no_checkpoints)
     except ReproduceError as exc:

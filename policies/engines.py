@@ -306,7 +306,9 @@ class TransformersEngine:
         self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=dtype).to(self.device)
         self.model.eval()
         self._queue: list[GenRequest] = []
-        self._generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        # generate() samples from torch's global generator (it takes no generator argument); seed it so that
+        # run.seed decides the samples and a repeated run draws the same ones.
+        torch.manual_seed(settings.seed)
 
     def submit(self, requests: Sequence[GenRequest]) -> None:
         self._queue.extend(requests)
