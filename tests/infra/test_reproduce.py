@@ -14,7 +14,7 @@ import torch
 from reflow.infra import cli
 from reflow.infra.config import ReflowConfig
 from reflow.infra.provenance import MANIFEST_ARTIFACT, finish_manifest, start_manifest, write_manifest
-from reflow.infra.reproduce import compare, is_timing_metric, weight_difference
+from reflow.infra.reproduce import check_inputs, compare, is_timing_metric, weight_difference
 from reflow.storage.tracker import MLflowTracker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,6 +74,16 @@ def recorded(tmp_path: Path) -> dict:
     (run_dir / "run.json").write_text(json.dumps({"tracking_uri": f"sqlite:///{out / 'mlflow.db'}",
                                                   "mlflow_run_id": run_id, "store_root": str(run_dir / "tables")}))
     return {"out": out, "run_id": run_id, "bare_id": bare_id, "run_dir": run_dir, "model": model}
+
+
+def test_code_and_package_differences_are_warnings(recorded: dict) -> None:
+    manifest = json.loads((recorded["run_dir"] / "manifest.json").read_text())
+    assert check_inputs(manifest, compare_checkpoints=True) == []  # recorded here, now: nothing differs
+    manifest["packages"]["torch"] = "0.0.1"
+    manifest["code"]["git_revision"] = "f" * 40
+    warnings = check_inputs(manifest, compare_checkpoints=True)
+    assert f"package torch: recorded 0.0.1, now {torch.__version__}" in warnings
+    assert any(w.startswith(f"code git_revision: recorded {'f' * 40}") for w in warnings)
 
 
 def _listing(root: Path) -> dict[str, int]:
