@@ -261,3 +261,20 @@ def test_maintain_bad_input_exits_2(tmp_path: Path, run_dir: Path, capsys) -> No
         assert code == 2 and message in err, (args, err)
     assert files_of(run_dir / "tables") == before
     assert os.listdir(empty) == []
+
+
+def test_maintain_flow_checks_the_lock_itself(run_dir: Path, prefect_api) -> None:
+    """A scheduled flow run (no command line in front) refuses too, and changes nothing."""
+    from reflow.flows.maintain import maintain
+    from reflow.tasks.maintenance import LiveWriterError
+
+    lock = WriterLock(lock_paths(run_dir, str(run_dir / "tables"), "live"), "live").acquire()
+    try:
+        before = files_of(run_dir / "tables")
+        with pytest.raises(LiveWriterError, match="run live"):
+            maintain(store_root=str(run_dir / "tables"), retention_hours=0)
+        assert files_of(run_dir / "tables") == before
+        forced = maintain(store_root=str(run_dir / "tables"), retention_hours=0, force=True)
+    finally:
+        lock.release()
+    assert forced["usage"]["files_removed"] == 3
