@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from deltalake import DeltaTable, write_deltalake
+from deltalake import write_deltalake
 
 from reflow.infra import cli
 from reflow.infra.runlock import LOCK_NAME, WriterLock, lock_paths
