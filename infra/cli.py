@@ -29,6 +29,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set rollout.prompts_per_step=16 (repeatable)")
 
 
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", metavar="RUN", help="run directory, or a run name under --runs (default: the latest run)")
+    p.add_argument("--runs", metavar="DIR", default="runs", help="where run directories are (default: runs)")
+    p.add_argument("--root", metavar="ROOT", help="a Delta store root instead of a run (storage.root)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reflow", description="RL post-training that keeps every device busy.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -56,6 +62,34 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--target-accuracy", type=float, default=None,
                        help="held-out accuracy to time (default: warm-start + 75%% of sync's gain)")
     modes.add_argument("--out", metavar="DIR", required=True, help="where bench.json, bench.png and the runs go")
+    query = sub.add_parser("query", help="run SQL over a run's Delta tables (trajectories, usage, rollout_cache)")
+    query.add_argument("sql", help='SQL (DataFusion dialect), e.g. "SELECT count(*) FROM trajectories"')
+    _add_target_args(query)
+    query.add_argument("--as-of-version", metavar="TABLE=N", action="append", default=[],
+                       help="read TABLE at Delta version N (time travel; repeatable; other tables: latest)")
+    query.add_argument("--out", metavar="FILE", help="write the result to FILE (.csv, .parquet or .jsonl) "
+                                                     "instead of printing it")
+    query.add_argument("--max-rows", type=int, default=50, help="rows to print (default 50)")
+    maint = sub.add_parser("maintain", help="compact, checkpoint and vacuum a run's Delta tables "
+                                            "(refused while a run writes them)")
+    _add_target_args(maint)
+    maint.add_argument("--retention-hours", type=int, default=None,
+                       help="vacuum files unreferenced for this many hours (default: the table's 7 days; "
+                            "0 keeps only the current version's files and ends time travel)")
+    maint.add_argument("--force", action="store_true", help="run even if a writer lock looks live")
+    repro = sub.add_parser("reproduce", help="start a new run from an MLflow run's record and compare it with "
+                                             "the original")
+    repro.add_argument("run", metavar="MLFLOW_RUN_ID", help="the original's MLflow run id (or its run directory)")
+    repro.add_argument("--tracking-uri", metavar="URI", help="MLflow store holding the run (default: "
+                       "$MLFLOW_TRACKING_URI, else runs/mlflow.db)")
+    repro.add_argument("--out", metavar="DIR", help="the directory the original was written under: its "
+                       "mlflow.db is the store, and the repeat goes there too")
+    repro.add_argument("--tolerance", type=float, default=0.0, help="largest |difference| per metric and weight "
+                       "that still counts as matched (default 0: bit-identical)")
+    repro.add_argument("--check", action="store_true", help="exit 1 if the repeat does not match")
+    repro.add_argument("--no-checkpoints", action="store_true", help="do not check or compare the original's "
+                       "checkpoints (e.g. they were deleted)")
+    repro.add_argument("--verbose", "-v", action="store_true", help="show Prefect/Ray/vLLM logs")
     show = sub.add_parser("config", help="print the resolved config as JSON")
     _add_config_args(show)
     return parser
@@ -113,6 +147,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     preflight(cfg)
     _quiet_environment(args.verbose)
+    _launch(cfg)
+    return 0
+
+
+def _launch(cfg: ReflowConfig):
+    """Run the training flow for ``cfg`` (already checked) and print where the results are; the RunOutcome."""
     from reflow.infra.config import config_to_json
     from reflow.infra.run import new_run_id
 
@@ -127,7 +167,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
           f"final model   : {outcome.final_model}\nDelta tables  : {outcome.store_root}/trajectories, "
           f"{outcome.store_root}/usage\nMLflow run    : {outcome.mlflow_run_id}\nMLflow UI     : {outcome.tracking_ui}",
           flush=True)
-    return 0
+    return outcome
 
 
 def _cmd_model_init(args: argparse.Namespace) -> int:
@@ -185,6 +225,123 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_target(args: argparse.Namespace):
+    """The run's (or root's) store, its schemas checked; InputError if it cannot be found or read."""
+    from reflow.infra.runs import RunNotFound, resolve_target
+    from reflow.storage.delta_store import DeltaTrajectoryStore, StorageError
+
+    try:
+        target = resolve_target(args.run, args.root, args.runs)
+        return target, DeltaTrajectoryStore(target.store_root)
+    except (RunNotFound, StorageError) as exc:
+        raise InputError(str(exc)) from None
+
+
+def _cmd_query(args: argparse.Namespace) -> int:
+    from reflow.infra.tables import parse_as_of, format_table, write_result
+    from reflow.storage.delta_store import TABLE_SPECS, StorageError
+
+    if args.max_rows < 0:
+        raise InputError("--max-rows must be >= 0")
+    try:
+        as_of = parse_as_of(args.as_of_version, tuple(TABLE_SPECS))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    if args.out and Path(args.out).suffix.lower() not in (".csv", ".parquet", ".jsonl"):
+        raise InputError(f"--out {args.out!r}: use a file ending in .csv, .parquet or .jsonl")
+    target, store = _open_target(args)
+    try:
+        result = store.query(args.sql, as_of=as_of)
+    except StorageError as exc:
+        raise InputError(str(exc)) from None
+    if args.out:
+        try:
+            path = write_result(result, args.out)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        print(f"{result.num_rows} rows -> {path}")
+    else:
+        print(format_table(result, args.max_rows))
+    return 0
+
+
+def _cmd_maintain(args: argparse.Namespace) -> int:
+    if args.retention_hours is not None and args.retention_hours < 0:
+        raise InputError("--retention-hours must be >= 0")
+    target, store = _open_target(args)  # refuses tables with another schema before anything is changed
+    from reflow.infra.runlock import live_writers
+    from reflow.tasks.maintenance import LiveWriterError, describe_writers
+
+    writers = live_writers(target.run_dir, target.store_root)
+    if writers and not args.force:
+        raise InputError("a run is writing to these tables; maintenance would vacuum files it may still need. "
+                         "Wait for it to finish (or pass --force if the lock is wrong):\n" + describe_writers(writers))
+    before = store.table_versions()
+    if all(v < 0 for v in before.values()):
+        raise InputError(f"no reflow tables under {target.store_root}: nothing to maintain")
+    _quiet_environment(False)
+    from reflow.flows.maintain import maintain
+
+    run_dir = str(target.run_dir) if target.run_dir is not None else None
+    try:
+        metrics = maintain(store_root=target.store_root, run_dir=run_dir, retention_hours=args.retention_hours,
+                           force=args.force)
+    except LiveWriterError as exc:  # a run started between the check above and the flow's own
+        raise InputError(str(exc)) from None
+    for name, m in metrics.items():
+        print(f"{name:14s} version {before[name]} -> {m['version']}: {m['files_removed']} files compacted into "
+              f"{m['files_added']}, {m['vacuumed_files']} vacuumed")
+    return 0
+
+
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    from reflow.infra.reproduce import ReproduceError, check_inputs, fetch_manifest, locate, open_client
+
+    if not 0 <= args.tolerance < float("inf"):
+        raise InputError("--tolerance must be a finite number >= 0")
+    try:
+        tracking_uri, original_id = locate(args.run, args.tracking_uri, args.out)
+        client = open_client(tracking_uri)
+        manifest = fetch_manifest(client, original_id, tracking_uri)
+        try:
+            cfg = ReflowConfig.model_validate(manifest["config"])
+        except ValueError as exc:
+            raise ConfigError(f"the recorded config of {original_id} is not valid with this code: {exc}") from None
+        # The repeat goes under --out (else where the original went) and is tracked next to the original.
+        run = cfg.run.model_copy(update={"out_dir": args.out}) if args.out else cfg.run
+        cfg = cfg.model_copy(update={"run": run,
+                                     "tracking": cfg.tracking.model_copy(update={"tracking_uri": tracking_uri})})
+        preflight(cfg)
+        warnings = check_inputs(manifest, compare_checkpoints=not args.no_checkpoints)
+    except ReproduceError as exc:
+        raise InputError(str(exc)) from None
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    _quiet_environment(args.verbose)
+    outcome = _launch(cfg)
+    return _compare_repeat(args, client, original_id, manifest, outcome)
+
+
+def _compare_repeat(args: argparse.Namespace, client, original_id: str, manifest: dict, outcome) -> int:
+    """Compare the repeat with the original; record the result in its run directory and MLflow run."""
+    from reflow.infra.provenance import read_manifest
+    from reflow.infra.reproduce import compare, format_comparison, is_timing_metric, original_metrics
+    from reflow.infra.run import read_steps
+
+    repeat = {r.step: {k: v for k, v in r.metrics.items() if not is_timing_metric(k)}
+              for r in read_steps(outcome.run_dir)}
+    checkpoints = [] if args.no_checkpoints else manifest.get("checkpoints", [])
+    result = compare(original_metrics(client, original_id), repeat, checkpoints,
+                     read_manifest(outcome.run_dir)["checkpoints"], args.tolerance)
+    report = json.dumps({"original": original_id, "repeat": outcome.mlflow_run_id, **result.to_json()}, indent=2)
+    (Path(outcome.run_dir) / "reproduce.json").write_text(report)
+    if outcome.mlflow_run_id:
+        client.set_tag(outcome.mlflow_run_id, "reflow.reproduces", original_id)
+        client.log_text(outcome.mlflow_run_id, report, "reproduce/comparison.json")
+    print("\n" + format_comparison(result, original_id, str(outcome.mlflow_run_id)), flush=True)
+    return 1 if args.check and not result.matched else 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from reflow.infra.config import config_to_json
 
@@ -195,7 +352,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``reflow`` script."""
     args = build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench}
+    handlers = {"run": _cmd_run, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench,
+                "query": _cmd_query, "maintain": _cmd_maintain, "reproduce": _cmd_reproduce}
     handler = _cmd_model_init if args.command == "model" else handlers[args.command]
     try:
         return handler(args)

@@ -325,7 +325,9 @@ class TransformersEngine:
         self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=dtype).to(self.device)
         self.model.eval()
         self._queue: list[GenRequest] = []
-        self._generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        # generate() samples from torch's global generator (it takes no generator argument); seed it so that
+        # run.seed decides the samples and a repeated run draws the same ones.
+        torch.manual_seed(settings.seed)
         self._tok: Any = None  # loaded when a request has stop strings
 
     def submit(self, requests: Sequence[GenRequest]) -> None:

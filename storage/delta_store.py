@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -88,15 +88,15 @@ class TrajectoryStore(Protocol):
         """Trajectories of one run (optionally one rollout step, some ids, a version range), in TRAJECTORY_SCHEMA."""
         ...
 
-    def query(self, sql: str) -> pa.Table:
-        """Run SQL over the tables ``trajectories`` and ``usage``."""
+    def query(self, sql: str, as_of: Mapping[str, int] | None = None) -> pa.Table:
+        """Run SQL over the tables (``trajectories``, ``usage``, ``rollout_cache``), optionally at given versions."""
         ...
 
     def table_versions(self) -> dict[str, int]:
         """Current version of each table; -1 for a table not created yet."""
         ...
 
-    def compact(self) -> dict[str, object]:
+    def compact(self, retention_hours: int | None = None) -> dict[str, object]:
         """Merge small files, checkpoint and vacuum each table; return metrics per table."""
         ...
 
@@ -186,20 +186,27 @@ class DeltaTrajectoryStore:
         """URI (or absolute path) of table ``name`` under the root."""
         return f"{self.root}/{name}"
 
-    def _open(self, name: str) -> DeltaTable | None:
-        """The validated table ``name``, or None if it does not exist yet."""
+    def _open(self, name: str, version: int | None = None) -> DeltaTable | None:
+        """The validated table ``name`` (at ``version``, default the latest), or None if it does not exist yet."""
         uri = self.table_uri(name)
         local = _local_path(uri)
         if local is not None and not self._local_table_exists(local):
             return None
         try:
             table = DeltaTable(uri, storage_options=self.storage_options)
+            if version is not None:
+                latest = table.version()
+                if not 0 <= version <= latest:
+                    raise StorageError(f"table {name!r} under {self.root} has versions 0..{latest}; "
+                                       f"version {version} does not exist")
+                table = DeltaTable(uri, version=version, storage_options=self.storage_options)
         except TableNotFoundError as exc:
             if local is None:  # object stores have no directories: absent means not created
                 return None
             raise StorageError(f"{uri} is not a Delta table: {exc}") from exc
         except (DeltaError, OSError) as exc:
-            raise StorageError(f"cannot open Delta table {uri}: {exc}") from exc
+            at = "" if version is None else f" at version {version} (its files were vacuumed?)"
+            raise StorageError(f"cannot open Delta table {uri}{at}: {exc}") from exc
         self._validate(table, TABLE_SPECS[name], uri)
         return table
 
@@ -324,25 +331,38 @@ class DeltaTrajectoryStore:
             raise StorageError(f"reading {self.table_uri(TRAJECTORIES)} failed: {exc}") from exc
         return rows.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA).sort_by(_READ_ORDER)
 
-    def query(self, sql: str) -> pa.Table:
-        """Run DataFusion SQL over ``trajectories`` and ``usage``; raise StorageError with the SQL engine's message."""
+    def query(self, sql: str, as_of: Mapping[str, int] | None = None) -> pa.Table:
+        """Run DataFusion SQL over the tables (registered by name); raise StorageError with the SQL engine's message.
+
+        ``as_of`` maps table names to the Delta version to read (time
+        travel); tables not named are read at their latest version.
+        """
+        as_of = dict(as_of or {})
+        unknown = sorted(set(as_of) - set(TABLE_SPECS))
+        if unknown:
+            raise StorageError(f"no table named {', '.join(map(repr, unknown))}; tables: {', '.join(TABLE_SPECS)}")
         builder = QueryBuilder()
         missing = []
         for name in TABLE_SPECS:
-            table = self._open(name)
+            table = self._open(name, as_of.get(name))
             if table is None:
+                if name in as_of:
+                    raise StorageError(f"table {name!r} does not exist yet under {self.root}")
                 missing.append(name)
             else:
                 builder.register(name, table)
         try:
             return _plain_arrow(builder.execute(sql))
-        except DeltaError as exc:
+        except (DeltaError, pa.ArrowException) as exc:
             message = str(exc)
             for name in missing:
                 if f"table 'datafusion.public.{name}' not found" in message:
                     raise StorageError(f"table {name!r} does not exist yet under {self.root}: "
                                        "no rows have been written to it") from exc
-            raise StorageError(f"query on {self.root} failed: {message}\nSQL: {sql}") from exc
+            hint = ""
+            if as_of and "not found" in message:
+                hint = "\n(a time-travel read needs the files of that version; `reflow maintain` may have vacuumed them)"
+            raise StorageError(f"query on {self.root} failed: {message}\nSQL: {sql}{hint}") from exc
 
     def table_versions(self) -> dict[str, int]:
         """Current version of each table; -1 for a table not created yet."""
@@ -352,11 +372,14 @@ class DeltaTrajectoryStore:
             versions[name] = -1 if table is None else table.version()
         return versions
 
-    def compact(self) -> dict[str, object]:
+    def compact(self, retention_hours: int | None = None) -> dict[str, object]:
         """Compact small files, write a checkpoint and vacuum each existing table.
 
-        Vacuum keeps the table's retention period (7 days by default), so
-        readers of recent versions and concurrent writers are never broken.
+        Vacuum deletes files that no version younger than ``retention_hours``
+        references; None keeps the table's retention period (7 days by
+        default), so readers of recent versions and concurrent writers are
+        never broken. A shorter retention is only safe while no run writes
+        (the caller checks) and ends time travel to the versions it cleans up.
         Returns ``{table: {files_added, files_removed, vacuumed_files, version}}``.
         """
         metrics: dict[str, object] = {}
@@ -367,7 +390,8 @@ class DeltaTrajectoryStore:
             try:
                 optimized = table.optimize.compact()
                 table.create_checkpoint()
-                vacuumed = table.vacuum(dry_run=False)
+                vacuumed = table.vacuum(retention_hours=retention_hours, dry_run=False,
+                                        enforce_retention_duration=retention_hours is None)
                 table.cleanup_metadata()
             except DeltaError as exc:
                 raise StorageError(f"compacting {self.table_uri(name)} failed: {exc}") from exc
@@ -438,7 +462,7 @@ class InMemoryTrajectoryStore:
         with self._lock:
             return self._tables.get(USAGE, USAGE_SCHEMA.empty_table())
 
-    def query(self, sql: str) -> pa.Table:
+    def query(self, sql: str, as_of: Mapping[str, int] | None = None) -> pa.Table:
         """Not supported in memory; raises NotImplementedError."""
         raise NotImplementedError("InMemoryTrajectoryStore does not run SQL (deltalake's DataFusion only reads "
                                   "Delta tables); use DeltaTrajectoryStore(tmp_path) in tests that query")
@@ -448,7 +472,7 @@ class InMemoryTrajectoryStore:
         with self._lock:
             return {name: self._versions.get(name, -1) for name in TABLE_SPECS}
 
-    def compact(self) -> dict[str, object]:
+    def compact(self, retention_hours: int | None = None) -> dict[str, object]:
         """Merge each table's chunks; versions are unchanged. Returns an empty metrics dict per table."""
         with self._lock:
             self._tables = {name: table.combine_chunks() for name, table in self._tables.items()}

@@ -13,17 +13,21 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from reflow.infra import report
+from reflow.infra import provenance, report
 from reflow.infra.config import ReflowConfig, flat_params
+from reflow.infra.runlock import WriterLock, lock_paths
 from reflow.infra.run import (RunRecord, StepRecord, append_step, default_tracking_uri, read_steps, rewrite_steps,
                               write_config, write_record)
 from reflow.infra.workers import Placement, actor, launch_workers, start_ray, stop_workers
 from reflow.policies.engines import EngineSettings, model_max_len
+from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.tracker import Tracker, make_tracker
 from reflow.tasks.context import _tokenizer, context
 
 # One tracker per run, owned by the process that runs the flow (tasks run in it).
 _TRACKERS: dict[str, Tracker] = {}
+# The writer lock of each run this process runs (released by teardown).
+_LOCKS: dict[str, WriterLock] = {}
 
 
 def resolve_model_dir(cfg: ReflowConfig, progress=print) -> str:
@@ -49,9 +53,10 @@ def prepare(config_json: str, run_dir: str, run_id: str) -> str:
     """Create the run directory, build/load the model, start workers and the tracker."""
     cfg = ReflowConfig.model_validate_json(config_json)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
+    store_root = cfg.storage.root or str(Path(run_dir).resolve() / "tables")
+    _LOCKS[run_dir] = WriterLock(lock_paths(run_dir, store_root, run_id), run_id).acquire()
     write_config(run_dir, cfg)
     model_dir = resolve_model_dir(cfg)
-    store_root = cfg.storage.root or str(Path(run_dir).resolve() / "tables")
     namespace = f"reflow-{run_id}"
     print(f"starting Ray and workers ({cfg.rollout.engine} engine, torch trainer)...", flush=True)
     start_ray(cfg, namespace, verbose=os.environ.get("REFLOW_VERBOSE") == "1")
@@ -62,15 +67,31 @@ def prepare(config_json: str, run_dir: str, run_id: str) -> str:
                                tool_fn=tool_fn)
     tracking_uri = default_tracking_uri(cfg)
     tracker = make_tracker(tracking_uri, cfg.tracking.experiment, Path(cfg.run.out_dir))
-    tags = {"reflow.mode": cfg.mode.kind, "reflow.run_dir": str(Path(run_dir).resolve()),
-            "reflow.python": platform.python_version()}
-    mlflow_run_id = tracker.start(run_id, flat_params(cfg), tags)
+    manifest = provenance.start_manifest(json.loads(config_json), run_id, model_dir,
+                                         "path" if cfg.model.path else "tiny",
+                                         DeltaTrajectoryStore(store_root).table_versions())
+    mlflow_run_id = tracker.start(run_id, flat_params(cfg), _provenance_tags(cfg, run_dir, manifest))
     tracker.log_artifact(Path(run_dir) / "config.json", "config")
+    tracker.log_artifact(provenance.write_manifest(run_dir, manifest), "reproduce")
     _TRACKERS[run_dir] = tracker
     write_record(RunRecord(run_id=run_id, run_dir=run_dir, store_root=store_root, model_dir=model_dir,
                            namespace=namespace, engines=placement.engines, trainer=placement.trainer,
                            tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id))
     return run_dir
+
+
+def _provenance_tags(cfg: ReflowConfig, run_dir: str, manifest: dict) -> dict[str, str]:
+    """MLflow tags: mode, run directory, code revision, package versions (the full record is the manifest)."""
+    code = manifest["code"]
+    tags = {"reflow.mode": cfg.mode.kind, "reflow.run_dir": str(Path(run_dir).resolve()),
+            "reflow.python": platform.python_version(), "reflow.seed": str(cfg.run.seed),
+            "reflow.code.package_version": str(code["package_version"]),
+            "reflow.code.git_revision": str(code["git_revision"]), "reflow.code.git_dirty": str(code["git_dirty"]),
+            "reflow.model.sha256": manifest["model"]["sha256"]}
+    if code["diff_sha256"]:
+        tags["reflow.code.diff_sha256"] = code["diff_sha256"]
+    tags.update({f"reflow.pkg.{name}": str(v) for name, v in manifest["packages"].items() if v is not None})
+    return tags
 
 
 @task(name="track", cache_policy=NO_CACHE)
@@ -159,8 +180,11 @@ def finalize(run_dir: str) -> RunOutcome:
                  "usage": int(r.metrics.get("usage_delta_version", -1))} for r in steps]
     versions.write_text(json.dumps({"store_root": ctx.record.store_root, "final": ctx.store.table_versions(),
                                     "written_per_step": per_step}, indent=2))
+    manifest = provenance.finish_manifest(provenance.read_manifest(run_dir), Path(run_dir) / "checkpoints",
+                                          ctx.store.table_versions(), per_step)
+    manifest_path = provenance.write_manifest(run_dir, manifest)
     for path, dest in ((final_model, "final_model"), (png, None), (versions, "delta"),
-                       (Path(run_dir) / "steps.jsonl", None)):
+                       (Path(run_dir) / "steps.jsonl", None), (manifest_path, "reproduce")):
         tracker.log_artifact(path, dest)
     tracker.end("FINISHED")
     outcome = RunOutcome(run_dir=run_dir, mlflow_run_id=ctx.record.mlflow_run_id, tracking_ui=tracker.ui_url(),
@@ -174,10 +198,13 @@ def teardown(run_dir: str, failed: bool) -> None:
     tracker = _TRACKERS.pop(run_dir, None)
     if tracker is not None and failed:
         tracker.end("FAILED")
+    lock = _LOCKS.pop(run_dir, None)
     path = Path(run_dir) / "run.json"
     if path.exists():
         rec = RunRecord.model_validate_json(path.read_text())
         stop_workers(Placement(namespace=rec.namespace, engines=rec.engines, trainer=rec.trainer))
     elif ray.is_initialized():
         ray.shutdown()
+    if lock is not None:  # after the workers stopped: nothing writes any more
+        lock.release()
     sys.stdout.flush()

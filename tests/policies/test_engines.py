@@ -44,6 +44,20 @@ def test_transformers_engine_logprobs_match_trainer(random_model_dir: Path) -> N
         assert torch.allclose(torch.tensor(res.logprobs), expected, atol=1e-4)
 
 
+def test_transformers_engine_samples_follow_the_seed(random_model_dir: Path) -> None:
+    """run.seed decides the samples, whatever state torch's global generator was in before."""
+    from dataclasses import replace
+
+    def sample(seed: int, before: int) -> list[list[int]]:
+        torch.manual_seed(before)
+        engine = TransformersEngine(replace(_settings(random_model_dir), seed=seed))
+        reqs = [GenRequest(f"r{i}", [10 + i, 11], max_tokens=16) for i in range(8)]
+        return [r.response_tokens for r in sorted(generate_all(engine, reqs), key=lambda r: r.request_id)]
+
+    assert sample(3, before=1) == sample(3, before=2)
+    assert sample(3, before=1) != sample(4, before=1)
+
+
 def test_transformers_engine_update_weights_in_place(random_model_dir: Path) -> None:
     engine = TransformersEngine(_settings(random_model_dir))
     zeros = {k: torch.zeros_like(v) for k, v in engine.model.state_dict().items()}
