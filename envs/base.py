@@ -27,8 +27,9 @@ SPLITS: tuple[Split, ...] = ("train", "eval")
 class Prompt:
     """One prompt of a workload.
 
-    ``text`` is exactly what is tokenized as the prompt (no chat template is
-    applied); ``answer`` is the ground-truth final answer as a string.
+    ``text`` is exactly what is tokenized as the prompt (a chat template, if the
+    workload uses one, already applied); ``answer`` is what the reward checks
+    against, as a string (arith, math: the final answer; code: the tests as JSON).
     """
 
     prompt_id: str

@@ -16,7 +16,7 @@ import pytest
 from deltalake import DeltaTable
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
+SMALL = ["model.tiny.hidden_size=64", "model.tiny.num_layers=1", "model.tiny.intermediate_size=128",
          "model.tiny.sft_steps=10", "run.total_steps=3", "run.checkpoint_every_steps=3",
          "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "env.eval_prompts=4", "eval.every_steps=2"]
 
