@@ -29,8 +29,8 @@ from prefect import flow
 from reflow.infra.clock import SystemClock
 from reflow.infra.config import ReflowConfig
 from reflow.infra.loops import ConcurrencyController, FeederLoop, LoopState, SelectorLoop, StalenessGate
-from reflow.tasks.lifecycle import (RunOutcome, abort_generation, evaluate_snapshots, finalize, prepare, snapshot,
-                                    teardown, track)
+from reflow.tasks.lifecycle import (RunOutcome, abort_generation, evaluate_snapshots, finalize, prepare,
+                                    recorded_baseline, restore, snapshot, teardown, track)
 from reflow.tasks.metrics import step_metrics
 from reflow.tasks.rollout import evaluate, rollout, score
 from reflow.tasks.sorted import sorted_round
@@ -41,17 +41,23 @@ STREAMING = ("async", "reflow")
 
 
 @flow(name="rl_train", log_prints=False)
-def rl_train(config_json: str, run_dir: str, run_id: str) -> RunOutcome:
-    """Train a policy with GRPO as the config says; returns where the results are."""
+def rl_train(config_json: str, run_dir: str, run_id: str, resume: bool = False) -> RunOutcome:
+    """Train a policy with GRPO as the config says; returns where the results are.
+
+    ``resume``: continue the run in ``run_dir`` from its newest checkpoint.
+    """
     cfg = ReflowConfig.model_validate_json(config_json)
     failed = True
     try:
-        prepare(config_json, run_dir, run_id)
-        baseline = evaluate(run_dir, step=-1) if cfg.env.eval_prompts else None
+        prepare(config_json, run_dir, run_id, resume)
+        first = restore(run_dir).first_step if resume else 0
+        baseline = recorded_baseline(run_dir) if first else None
+        if baseline is None and cfg.env.eval_prompts:
+            baseline = evaluate(run_dir, step=-1)
         if cfg.mode.kind in STREAMING:
             snapshots = _streaming(cfg, run_dir, baseline)
         else:
-            snapshots = _rounds(cfg, run_dir, baseline)
+            snapshots = _rounds(cfg, run_dir, baseline, first)
         evaluate_snapshots(run_dir, snapshots)
         outcome = finalize(run_dir)
         failed = False
@@ -71,13 +77,13 @@ def _after_step(cfg: ReflowConfig, run_dir: str, step: int, version: int, snapsh
         checkpoint(run_dir, step)
 
 
-def _rounds(cfg: ReflowConfig, run_dir: str, baseline) -> list:
+def _rounds(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
     """``sync`` and ``one_step_off``: one rollout round per step (a SortedRL round when scheduling says so)."""
     total, overlap = cfg.run.total_steps, cfg.mode.kind == "one_step_off"
     sorted_rounds = cfg.rollout.scheduling != "plain"
     snapshots: list = []
-    handle = None if sorted_rounds else rollout(run_dir, 0)
-    for step in range(total):
+    handle = None if sorted_rounds or first >= total else rollout(run_dir, first)
+    for step in range(first, total):
         last = step == total - 1
         scored = sorted_round(run_dir, step) if sorted_rounds else score(run_dir, handle)
         if overlap and not last:

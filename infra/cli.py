@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(run)
     run.add_argument("--out", metavar="DIR", help="directory for run directories (sets run.out_dir)")
     run.add_argument("--verbose", "-v", action="store_true", help="show Prefect/Ray/vLLM logs")
+    run.add_argument("--resume", metavar="RUN", help="continue a killed run instead (same as `reflow resume RUN`; "
+                     "--config and --set are then not allowed)")
+    resume = sub.add_parser("resume", help="continue a killed run from its newest checkpoint")
+    resume.add_argument("run", metavar="RUN", help="the run directory, or a run id under --out")
+    resume.add_argument("--out", metavar="DIR", default="runs", help="where run ids are looked up (default: runs)")
+    resume.add_argument("--verbose", "-v", action="store_true", help="show Prefect/Ray/vLLM logs")
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
     init = model_sub.add_parser("init", help="build (or find cached) the tiny warm-started default policy")
@@ -100,7 +106,52 @@ def preflight(cfg: ReflowConfig) -> None:
             raise InputError(f"storage.root: {exc}") from None
 
 
+def find_run(run: str, out: str | None) -> Path:
+    """The directory of run ``run`` (a path, or a run id under ``out``); InputError if it is not a run."""
+    candidates = [Path(run)] + ([Path(out) / run] if out and not Path(run).is_absolute() else [])
+    for path in candidates:
+        if (path / "run.json").is_file() and (path / "config.json").is_file():
+            return path.resolve()
+    raise InputError(f"{run!r} is not a run directory (no run.json and config.json in "
+                     f"{' or '.join(str(p) for p in candidates)})")
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    run_dir = find_run(args.run, args.out)
+    from reflow.infra.config import config_to_json
+
+    try:
+        cfg = ReflowConfig.model_validate_json((run_dir / "config.json").read_text())
+        record = json.loads((run_dir / "run.json").read_text())
+        run_id = record["run_id"]
+    except (ValueError, KeyError) as exc:
+        raise InputError(f"{run_dir}: unreadable config.json or run.json: {exc}") from None
+    if cfg.mode.kind in ("async", "reflow"):
+        raise InputError(f"{run_dir}: resuming mode {cfg.mode.kind!r} is not supported yet "
+                         "(sync and one_step_off runs resume)")
+    _quiet_environment(args.verbose)
+    print(f"reflow resume {run_id}: mode={cfg.mode.kind} steps={cfg.run.total_steps}", flush=True)
+    from reflow.flows.rl_train import rl_train
+
+    outcome = rl_train(config_json=config_to_json(cfg), run_dir=str(run_dir), run_id=run_id, resume=True)
+    _print_outcome(outcome)
+    return 0
+
+
+def _print_outcome(outcome) -> None:
+    print(f"\nrun directory : {outcome.run_dir}\ncurves        : {outcome.curves_png}\n"
+          f"final model   : {outcome.final_model}\nDelta tables  : {outcome.store_root}/trajectories, "
+          f"{outcome.store_root}/usage\nMLflow run    : {outcome.mlflow_run_id}\nMLflow UI     : {outcome.tracking_ui}",
+          flush=True)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    if args.resume:
+        if args.config or args.overrides:
+            raise InputError("--resume continues a run with its saved config; drop --config and --set")
+        args.run = args.resume
+        args.out = args.out or "runs"
+        return _cmd_resume(args)
     overrides = list(args.overrides) + ([f"run.out_dir={json.dumps(args.out)}"] if args.out else [])
     cfg = load_config(args.config, overrides)
     preflight(cfg)
@@ -115,10 +166,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from reflow.flows.rl_train import rl_train
 
     outcome = rl_train(config_json=config_to_json(cfg), run_dir=run_dir, run_id=run_id)
-    print(f"\nrun directory : {outcome.run_dir}\ncurves        : {outcome.curves_png}\n"
-          f"final model   : {outcome.final_model}\nDelta tables  : {outcome.store_root}/trajectories, "
-          f"{outcome.store_root}/usage\nMLflow run    : {outcome.mlflow_run_id}\nMLflow UI     : {outcome.tracking_ui}",
-          flush=True)
+    _print_outcome(outcome)
     return 0
 
 
@@ -187,7 +235,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``reflow`` script."""
     args = build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench}
+    handlers = {"run": _cmd_run, "resume": _cmd_resume, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench}
     handler = _cmd_model_init if args.command == "model" else handlers[args.command]
     try:
         return handler(args)

@@ -22,7 +22,7 @@ from reflow.storage.delta_store import ROLLOUT_CACHE
 from reflow.storage.sampler import _quote
 from reflow.storage.schema import CachedSample
 from reflow.tasks.context import TaskContext, context, mark_origin
-from reflow.tasks.rollout import ScoreSummary, _record, _requests
+from reflow.tasks.rollout import ScoreSummary, _record, _requests, summary_of_written, written_before
 
 _SCHEDULERS: dict[str, SortedScheduler] = {}
 
@@ -92,8 +92,10 @@ def _scheduler(ctx: TaskContext, run_dir: str) -> SortedScheduler:
 def sorted_round(run_dir: str, step: int) -> ScoreSummary:
     """One SortedRL round: write the shortest complete groups for ``step`` and the cache snapshot to Delta."""
     ctx = context(run_dir)
-    sched = _scheduler(ctx, run_dir)
     mark_origin(run_dir, ctx.clock.now())
+    if written_before(ctx, step):  # a resumed run: the round and its cache snapshot are already in Delta
+        return summary_of_written(ctx, step, ctx.clock.now())
+    sched = _scheduler(ctx, run_dir)
     engine = RayRoundEngine(actor(ctx.record.engines[0], ctx.record.namespace), ctx.cfg.rollout.max_concurrent_sequences)
     result = sched.run_round(engine)
     start = ctx.clock.now()
