@@ -63,7 +63,8 @@ def prepare(config_json: str, run_dir: str, run_id: str, resume: bool = False) -
     namespace = f"reflow-{run_id}"
     print(f"starting Ray and workers ({cfg.rollout.engine} engine, torch trainer)...", flush=True)
     start_ray(cfg, namespace, verbose=os.environ.get("REFLOW_VERBOSE") == "1")
-    placement = launch_workers(cfg, namespace, model_dir, store_root, _engine_settings(cfg, model_dir))
+    placement = launch_workers(cfg, namespace, model_dir, store_root, _engine_settings(cfg, model_dir),
+                               run_dir=str(Path(run_dir).resolve()), run_id=run_id)
     tracking_uri = default_tracking_uri(cfg)
     tracker = make_tracker(tracking_uri, cfg.tracking.experiment, Path(cfg.run.out_dir))
     if previous is not None and previous.mlflow_run_id is not None:

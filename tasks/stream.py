@@ -68,6 +68,40 @@ def write_groups(run_dir: str, chunk: int, results: Any) -> WriteSummary:
                         seconds=ctx.clock.now() - start)
 
 
+class PendingRequests:
+    """The requests submitted to an engine actor and not finished yet, re-issued if the actor restarts.
+
+    Ray restarts a dead engine actor and re-issues the calls that were in
+    flight, but a restarted engine has lost the requests it was running; a
+    drain answered by a new incarnation makes this re-submit them.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.requests: dict[str, Any] = {}
+        self.incarnation: str = ray.get(engine.incarnation.remote())
+        self.reissued = 0
+
+    def submit(self, requests: Sequence[Any]) -> None:
+        self.requests.update((r.request_id, r) for r in requests)
+        self.engine.submit.remote(list(requests))
+
+    def drained(self, drain: Any) -> Any:
+        """Forget what ``drain`` finished; re-submit the rest if a restarted engine answered."""
+        for res in drain.results:
+            self.requests.pop(res.request_id, None)
+        if drain.incarnation and drain.incarnation != self.incarnation:
+            self.incarnation = drain.incarnation
+            self.reissued += len(self.requests)
+            self.engine.submit.remote(list(self.requests.values()))  # the engine skips ones it already runs
+            print(f"engine actor restarted: re-issued {len(self.requests)} unfinished requests", flush=True)
+        return drain
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+
 class RayFeeder:
     """``FeederBackend`` over the run's engine actor and the ``write_groups`` task."""
 
@@ -77,6 +111,7 @@ class RayFeeder:
         self.engine = actor(self.ctx.record.engines[0], self.ctx.record.namespace)
         self.samples_per_group = self.ctx.cfg.rollout.samples_per_prompt
         self.last_write: WriteSummary | None = None
+        self.pending = PendingRequests(self.engine)
 
     def submit(self, groups: Sequence[int]) -> None:
         mark_origin(self.run_dir, self.ctx.clock.now())
@@ -84,13 +119,13 @@ class RayFeeder:
         for g in groups:
             prompt = self.ctx.env.prompts("train", start=g, count=1)
             requests += _requests(self.ctx, prompt, self.samples_per_group, f"g{g}")
-        self.engine.submit.remote(requests)  # actor calls run in order: before the next drain
+        self.pending.submit(requests)  # actor calls run in order: before the next drain
 
     def start_drain(self, window_s: float) -> Any:
         return self.engine.drain.remote(window_s)
 
     def wait_drain(self, handle: Any) -> Drained:
-        drain = ray.get(handle)
+        drain = self.pending.drained(ray.get(handle))
         return Drained(finished=[Finished(group_of(r.request_id), r, len(r.response_tokens)) for r in drain.results],
                        busy_s=drain.seconds, in_flight=drain.in_flight)
 

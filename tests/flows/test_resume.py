@@ -11,11 +11,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,74 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOTAL_STEPS = 6
 
 
-def _session_processes(sid: int) -> list[str]:
-    """Command lines of live processes in session ``sid`` (the killed driver's: Prefect, Ray, actors)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getsid(int(pid)) != sid:
-                continue
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            if stat.rsplit(")", 1)[1].split()[0] == "Z":
-                continue  # a zombie is already dead
-            found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
-        except (OSError, IndexError):
-            continue
-    return found
-
-
-class Attempt:
-    """One ``reflow run``/``reflow resume`` process in its own session, its output read line by line."""
-
-    def __init__(self, args: list[str], cwd: Path, ray_tmp: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(cwd / "prefect"), "RAY_TMPDIR": ray_tmp}
-        self.proc = subprocess.Popen([sys.executable, "-m", "reflow.infra.cli", *args], cwd=cwd, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            with self.cond:
-                self.lines.append(line)
-                self.cond.notify_all()
-        with self.cond:
-            self.cond.notify_all()
-
-    def steps_seen(self) -> list[int]:
-        with self.cond:
-            return [int(line.split()[1].split("/")[0]) for line in self.lines if line.startswith("step ")]
-
-    def wait_for_step(self, step: int, timeout: float = 240) -> None:
-        """Until the progress line of 1-based ``step`` is printed (``step`` 0: any step)."""
-        deadline = time.monotonic() + timeout
-        with self.cond:  # an RLock: steps_seen takes it again
-            while not (seen := self.steps_seen()) or (step and step not in seen):
-                assert self.proc.poll() is None, f"exited before step {step}:\n{self.output()}"
-                assert time.monotonic() < deadline, f"no step {step} in time:\n{self.output()}"
-                self.cond.wait(1.0)
-
-    def kill(self) -> None:
-        """SIGKILL the driver's whole process group, then check nothing of its session survives."""
-        assert self.proc.poll() is None, "the attempt finished before it could be killed:\n" + self.output()
-        sid = self.proc.pid
-        os.killpg(sid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        deadline = time.monotonic() + 20
-        while (left := _session_processes(sid)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, f"processes of the killed run are still alive: {left}"
-
-    def finish(self, timeout: float = 300) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def output(self) -> str:
-        return "".join(self.lines)[-4000:]
-
-
-def _continues(attempt: Attempt) -> int:
+def _continues(attempt) -> int:
     """The resumed attempt's first step (1-based) is the one after its checkpoint; returns it."""
     (line,) = [line for line in attempt.lines if line.startswith("resumed from step-")]
     checkpoint = int(line.split("step-")[1].split(":")[0])
@@ -110,46 +38,42 @@ def _checkpointed(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_points_then_resume(tmp_path: Path) -> None:
+def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     out = tmp_path / "runs"
-    ray_tmp = tempfile.mkdtemp(prefix="rf-", dir="/tmp")  # short: Ray's socket paths must fit
     run_args = ["--config", str(REPO / "configs/smoke.toml"), "--out", str(out),
                 "--set", f"run.total_steps={TOTAL_STEPS}", "--set", "run.checkpoint_every_steps=1",
                 "--set", 'rollout.engine="transformers"', "--set", f'model.cache_dir="{tmp_path / "models"}"']
     kills = []
-    try:
-        first = Attempt(["run", *run_args], tmp_path, ray_tmp)
-        kill_after = rng.choice([1, 2])
-        first.wait_for_step(kill_after)
-        time.sleep(rng.uniform(0.0, 0.6))
-        first.kill()
-        kills.append(("run", kill_after, first.steps_seen()))
-        (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
-        # as if the kill had landed between a step's writes and its checkpoint: that step (already in
-        # Delta, MLflow and steps.jsonl) is run again, and nothing of it may be doubled
-        newest = _checkpointed(run_dir)
-        assert newest >= kill_after - 1, first.output()
-        shutil.rmtree(run_dir / "checkpoints" / f"step-{newest:06d}")
-        mlflow_run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
+    first = reflow_process(["run", *run_args], tmp_path)
+    kill_after = rng.choice([1, 2])
+    first.wait_for_step(kill_after)
+    time.sleep(rng.uniform(0.0, 0.6))
+    first.kill()
+    kills.append(("run", kill_after, first.steps_seen()))
+    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
+    # as if the kill had landed between a step's writes and its checkpoint: that step (already in
+    # Delta, MLflow and steps.jsonl) is run again, and nothing of it may be doubled
+    newest = _checkpointed(run_dir)
+    assert newest >= kill_after - 1, first.output()
+    shutil.rmtree(run_dir / "checkpoints" / f"step-{newest:06d}")
+    mlflow_run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
 
-        second = Attempt(["resume", str(run_dir)], tmp_path, ray_tmp)
-        second.wait_for_step(0)
-        resumed_from = _continues(second)
-        last = second
-        if resumed_from < TOTAL_STEPS:
-            target = resumed_from + rng.choice([0, 1])
-            second.wait_for_step(target)
-            time.sleep(rng.uniform(0.0, 0.4))
-            second.kill()
-            kills.append(("resume", target, second.steps_seen()))
-            last = Attempt(["run", "--resume", str(run_dir)], tmp_path, ray_tmp)
-            last.wait_for_step(0)
-            _continues(last)
-        assert last.finish() == 0, last.output()
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    second = reflow_process(["resume", str(run_dir)], tmp_path)
+    second.wait_for_step(0)
+    resumed_from = _continues(second)
+    last = second
+    if resumed_from < TOTAL_STEPS:
+        target = resumed_from + rng.choice([0, 1])
+        second.wait_for_step(target)
+        time.sleep(rng.uniform(0.0, 0.4))
+        second.kill()
+        kills.append(("resume", target, second.steps_seen()))
+        last = reflow_process(["run", "--resume", str(run_dir)], tmp_path)
+        last.wait_for_step(0)
+        _continues(last)
+    assert last.finish() == 0, last.output()
     note = f"seed {seed}, kills {kills}"
     assert last.steps_seen()[-1] == TOTAL_STEPS, note
 

@@ -80,3 +80,28 @@ def test_bench_bad_input_exits_2_and_creates_nothing(tmp_path: Path) -> None:
         assert proc.returncode == 2, (extra, proc.stderr)
         assert message in proc.stderr, (extra, proc.stderr)
         assert not (tmp_path / "b").exists()
+
+
+def test_resume_of_a_missing_run_exits_2(tmp_path: Path) -> None:
+    proc = _reflow("resume", "no-such-run", "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2 and "'no-such-run' is not a run directory" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_resume_refuses_a_new_config(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    proc = _reflow("run", "--resume", str(run_dir), "--set", "run.total_steps=3", cwd=tmp_path)
+    assert proc.returncode == 2 and "drop --config and --set" in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == []
+
+
+def test_resume_refuses_a_streaming_run(tmp_path: Path) -> None:
+    config = subprocess.run([sys.executable, "-m", "reflow.infra.cli", "config", "--set", 'mode.kind="async"'],
+                            capture_output=True, text=True, check=True).stdout
+    run_dir = tmp_path / "r2"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(config)
+    (run_dir / "run.json").write_text('{"run_id": "r2"}')
+    proc = _reflow("resume", str(run_dir), cwd=tmp_path)
+    assert proc.returncode == 2 and "resuming mode 'async' is not supported" in proc.stderr
