@@ -62,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--target-accuracy", type=float, default=None,
                        help="held-out accuracy to time (default: warm-start + 75%% of sync's gain)")
     modes.add_argument("--out", metavar="DIR", required=True, help="where bench.json, bench.png and the runs go")
+    serve = sub.add_parser("serve", help="start a Prefect server and serve the train/evaluate/bench deployments "
+                           "(launch and watch runs in its UI)")
+    serve.add_argument("--host", default="127.0.0.1", help="server address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=4200, help="server port (default 4200)")
+    serve.add_argument("--api-url", metavar="URL", default=os.environ.get("PREFECT_API_URL"),
+                       help="use the Prefect server already at URL (e.g. http://host:4200/api) instead of "
+                            "starting one (default: $PREFECT_API_URL)")
+    serve.add_argument("--out", metavar="DIR", default="runs", help="the form's default run.out_dir (where "
+                       "launched runs and MLflow's sqlite store go) and the benchmark's output (default: runs)")
     show = sub.add_parser("config", help="print the resolved config as JSON")
     _add_config_args(show)
     return parser
@@ -225,6 +234,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from reflow.infra.serve import ServeError, port_in_use, serve
+
+    if not 1 <= args.port <= 65535:
+        raise InputError(f"--port must be in 1..65535, got {args.port}")
+    if not args.api_url and port_in_use(args.host, args.port):
+        raise InputError(f"port {args.port} on {args.host} is already in use: pass --port with a free port, or "
+                         f"--api-url http://{args.host}:{args.port}/api to use a Prefect server already running there")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")  # flow-run logs (progress lines) go to the UI
+    _quiet_environment(False)
+    try:
+        return serve(args.host, args.port, args.api_url, str(Path(args.out).resolve()))
+    except ServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from reflow.infra.config import config_to_json
 
@@ -235,7 +261,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``reflow`` script."""
     args = build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "resume": _cmd_resume, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench}
+    handlers = {"run": _cmd_run, "resume": _cmd_resume, "serve": _cmd_serve, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench}
     handler = _cmd_model_init if args.command == "model" else handlers[args.command]
     try:
         return handler(args)

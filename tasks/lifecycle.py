@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from reflow.infra import report
 from reflow.infra.config import ReflowConfig, flat_params
 from reflow.infra.run import (RunRecord, StepRecord, append_step, default_tracking_uri, latest_checkpoint,
-                              load_record, read_steps, rewrite_steps, write_config, write_record)
+                              load_config_of, load_record, read_steps, rewrite_steps, write_config, write_record)
 from reflow.infra.workers import Placement, actor, launch_workers, start_ray, stop_workers
 from reflow.policies.engines import EngineSettings, model_max_len
 from reflow.storage.tracker import Tracker, make_tracker
@@ -81,6 +81,18 @@ def prepare(config_json: str, run_dir: str, run_id: str, resume: bool = False) -
                            namespace=namespace, engines=placement.engines, trainer=placement.trainer,
                            tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id))
     return run_dir
+
+
+@task(name="prepare_eval", cache_policy=NO_CACHE)
+def prepare_eval(run_dir: str) -> str:
+    """Start Ray and workers holding a finished run's final model, under the names its record gives."""
+    record, cfg = load_record(run_dir), load_config_of(run_dir)
+    final = Path(run_dir) / "final_model"
+    if not (final / "config.json").is_file():
+        raise ValueError(f"{run_dir} has no final model (final_model/config.json): the run did not finish")
+    start_ray(cfg, record.namespace, verbose=os.environ.get("REFLOW_VERBOSE") == "1")
+    launch_workers(cfg, record.namespace, str(final), record.store_root, _engine_settings(cfg, str(final)))
+    return str(final)
 
 
 @dataclass(frozen=True)
