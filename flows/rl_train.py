@@ -34,7 +34,7 @@ from reflow.tasks.lifecycle import (RunOutcome, abort_generation, evaluate_snaps
 from reflow.tasks.metrics import step_metrics
 from reflow.tasks.rollout import evaluate, rollout, score
 from reflow.tasks.sorted import sorted_round
-from reflow.tasks.stream import RayFeeder, RaySelector
+from reflow.tasks.stream import RayFeeder, RaySelector, stream_position
 from reflow.tasks.update import checkpoint, sync_weights, update
 
 STREAMING = ("async", "reflow")
@@ -55,7 +55,7 @@ def rl_train(config_json: str, run_dir: str, run_id: str, resume: bool = False) 
         if baseline is None and cfg.env.eval_prompts:
             baseline = evaluate(run_dir, step=-1)
         if cfg.mode.kind in STREAMING:
-            snapshots = _streaming(cfg, run_dir, baseline)
+            snapshots = _streaming(cfg, run_dir, baseline, first)
         else:
             snapshots = _rounds(cfg, run_dir, baseline, first)
         evaluate_snapshots(run_dir, snapshots)
@@ -99,8 +99,11 @@ def _rounds(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
     return snapshots
 
 
-def _streaming(cfg: ReflowConfig, run_dir: str, baseline) -> list:
-    """``async`` and ``reflow``: the feeder in a thread, the selector here, until ``total_steps`` updates."""
+def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
+    """``async`` and ``reflow``: the feeder in a thread, the selector here, until ``total_steps`` updates.
+
+    A resumed run (``first`` > 0, or anything already written) continues the stream after what is in Delta.
+    """
     b, c, groups = cfg.buffer, cfg.concurrency, cfg.rollout.prompts_per_step
     replay = cfg.mode.kind == "reflow"
     fresh_per_step = max(1, math.ceil((1 - b.replay_ratio) * groups)) if replay else groups
@@ -115,6 +118,11 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline) -> list:
     feeder = FeederLoop(RayFeeder(run_dir), state, StalenessGate(b.max_staleness_versions, groups, groups),
                         controller, clock, window_s=b.drain_window_s,
                         write_min_groups=max(1, fresh_per_step // 4))
+    at = stream_position(run_dir)
+    feeder.resume_at(at.next_group, at.next_chunk)
+    # one update per step: the restored trainer's version is the number of steps done
+    state.trainer_version, state.groups_submitted, state.groups_written = first, at.next_group, at.written_groups
+    state.unused.update(at.unused)
     snapshots: list = []
 
     def on_step(step, selection, updated, record) -> None:
@@ -129,7 +137,7 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline) -> list:
     thread = threading.Thread(target=contextvars.copy_context().run, args=(feeder.run,), name="feeder", daemon=True)
     thread.start()
     try:
-        selector.run(range(cfg.run.total_steps))
+        selector.run(range(first, cfg.run.total_steps))
     finally:
         state.request_stop()
         thread.join()

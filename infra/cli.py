@@ -135,9 +135,6 @@ def _cmd_resume(args: argparse.Namespace) -> int:
         run_id = record["run_id"]
     except (ValueError, KeyError) as exc:
         raise InputError(f"{run_dir}: unreadable config.json or run.json: {exc}") from None
-    if cfg.mode.kind in ("async", "reflow"):
-        raise InputError(f"{run_dir}: resuming mode {cfg.mode.kind!r} is not supported yet "
-                         "(sync and one_step_off runs resume)")
     _quiet_environment(args.verbose)
     print(f"reflow resume {run_id}: mode={cfg.mode.kind} steps={cfg.run.total_steps}", flush=True)
     from reflow.flows.rl_train import rl_train

@@ -116,6 +116,7 @@ def restore(run_dir: str) -> Restored:
     rewrite_steps(run_dir, read_steps(run_dir))  # drop a line torn by the kill
     found = latest_checkpoint(run_dir)
     if found is None:
+        print("resumed from the start (no checkpoint yet)", flush=True)
         return Restored(first_step=0, version=0, checkpoint=None)
     step, path = found
     ctx = context(run_dir)

@@ -95,13 +95,3 @@ def test_run_resume_refuses_a_new_config(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "drop --config and --set" in proc.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == []
 
-
-def test_resume_refuses_a_streaming_run(tmp_path: Path) -> None:
-    config = subprocess.run([sys.executable, "-m", "reflow.infra.cli", "config", "--set", 'mode.kind="async"'],
-                            capture_output=True, text=True, check=True).stdout
-    run_dir = tmp_path / "r2"
-    run_dir.mkdir()
-    (run_dir / "config.json").write_text(config)
-    (run_dir / "run.json").write_text('{"run_id": "r2"}')
-    proc = _reflow("resume", str(run_dir), cwd=tmp_path)
-    assert proc.returncode == 2 and "resuming mode 'async' is not supported" in proc.stderr
