@@ -84,6 +84,8 @@ def _quiet_environment(verbose: bool) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # The ephemeral Prefect API's 20 s start-up limit is exceeded on a loaded machine (a failed run, not a slow one).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if verbose:
         os.environ["REFLOW_VERBOSE"] = "1"
     else:
