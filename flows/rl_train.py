@@ -29,29 +29,35 @@ from prefect import flow
 from reflow.infra.clock import SystemClock
 from reflow.infra.config import ReflowConfig
 from reflow.infra.loops import ConcurrencyController, FeederLoop, LoopState, SelectorLoop, StalenessGate
-from reflow.tasks.lifecycle import (RunOutcome, abort_generation, evaluate_snapshots, finalize, prepare, snapshot,
-                                    teardown, track)
+from reflow.tasks.lifecycle import (RunOutcome, abort_generation, evaluate_snapshots, finalize, prepare,
+                                    recorded_baseline, restore, snapshot, teardown, track)
 from reflow.tasks.metrics import step_metrics
 from reflow.tasks.rollout import evaluate, rollout, score
 from reflow.tasks.sorted import sorted_round
-from reflow.tasks.stream import RayFeeder, RaySelector
+from reflow.tasks.stream import RayFeeder, RaySelector, stream_position
 from reflow.tasks.update import checkpoint, sync_weights, update
 
 STREAMING = ("async", "reflow")
 
 
 @flow(name="rl_train", log_prints=False)
-def rl_train(config_json: str, run_dir: str, run_id: str) -> RunOutcome:
-    """Train a policy with GRPO as the config says; returns where the results are."""
+def rl_train(config_json: str, run_dir: str, run_id: str, resume: bool = False) -> RunOutcome:
+    """Train a policy with GRPO as the config says; returns where the results are.
+
+    ``resume``: continue the run in ``run_dir`` from its newest checkpoint.
+    """
     cfg = ReflowConfig.model_validate_json(config_json)
     failed = True
     try:
-        prepare(config_json, run_dir, run_id)
-        baseline = evaluate(run_dir, step=-1) if cfg.env.eval_prompts else None
+        prepare(config_json, run_dir, run_id, resume)
+        first = restore(run_dir).first_step if resume else 0
+        baseline = recorded_baseline(run_dir) if first else None
+        if baseline is None and cfg.env.eval_prompts:
+            baseline = evaluate(run_dir, step=-1)
         if cfg.mode.kind in STREAMING:
-            snapshots = _streaming(cfg, run_dir, baseline)
+            snapshots = _streaming(cfg, run_dir, baseline, first)
         else:
-            snapshots = _rounds(cfg, run_dir, baseline)
+            snapshots = _rounds(cfg, run_dir, baseline, first)
         evaluate_snapshots(run_dir, snapshots)
         outcome = finalize(run_dir)
         failed = False
@@ -71,13 +77,13 @@ def _after_step(cfg: ReflowConfig, run_dir: str, step: int, version: int, snapsh
         checkpoint(run_dir, step)
 
 
-def _rounds(cfg: ReflowConfig, run_dir: str, baseline) -> list:
+def _rounds(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
     """``sync`` and ``one_step_off``: one rollout round per step (a SortedRL round when scheduling says so)."""
     total, overlap = cfg.run.total_steps, cfg.mode.kind == "one_step_off"
     sorted_rounds = cfg.rollout.scheduling != "plain"
     snapshots: list = []
-    handle = None if sorted_rounds else rollout(run_dir, 0)
-    for step in range(total):
+    handle = None if sorted_rounds or first >= total else rollout(run_dir, first)
+    for step in range(first, total):
         last = step == total - 1
         scored = sorted_round(run_dir, step) if sorted_rounds else score(run_dir, handle)
         if overlap and not last:
@@ -93,8 +99,11 @@ def _rounds(cfg: ReflowConfig, run_dir: str, baseline) -> list:
     return snapshots
 
 
-def _streaming(cfg: ReflowConfig, run_dir: str, baseline) -> list:
-    """``async`` and ``reflow``: the feeder in a thread, the selector here, until ``total_steps`` updates."""
+def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
+    """``async`` and ``reflow``: the feeder in a thread, the selector here, until ``total_steps`` updates.
+
+    A resumed run (``first`` > 0, or anything already written) continues the stream after what is in Delta.
+    """
     b, c, groups = cfg.buffer, cfg.concurrency, cfg.rollout.prompts_per_step
     replay = cfg.mode.kind == "reflow"
     fresh_per_step = max(1, math.ceil((1 - b.replay_ratio) * groups)) if replay else groups
@@ -109,6 +118,11 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline) -> list:
     feeder = FeederLoop(RayFeeder(run_dir), state, StalenessGate(b.max_staleness_versions, groups, groups),
                         controller, clock, window_s=b.drain_window_s,
                         write_min_groups=max(1, fresh_per_step // 4))
+    at = stream_position(run_dir)
+    feeder.resume_at(at.next_group, at.next_chunk)
+    # one update per step: the restored trainer's version is the number of steps done
+    state.trainer_version, state.groups_submitted, state.groups_written = first, at.next_group, at.written_groups
+    state.unused.update(at.unused)
     snapshots: list = []
 
     def on_step(step, selection, updated, record) -> None:
@@ -123,7 +137,7 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline) -> list:
     thread = threading.Thread(target=contextvars.copy_context().run, args=(feeder.run,), name="feeder", daemon=True)
     thread.start()
     try:
-        selector.run(range(cfg.run.total_steps))
+        selector.run(range(first, cfg.run.total_steps))
     finally:
         state.request_stop()
         thread.join()

@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(run)
     run.add_argument("--out", metavar="DIR", help="directory for run directories (sets run.out_dir)")
     run.add_argument("--verbose", "-v", action="store_true", help="show Prefect/Ray/vLLM logs")
+    run.add_argument("--resume", metavar="RUN", help="continue a killed run instead (same as `reflow resume RUN`; "
+                     "--config and --set are then not allowed)")
+    resume = sub.add_parser("resume", help="continue a killed run from its newest checkpoint")
+    resume.add_argument("run", metavar="RUN", help="the run directory, or a run id under --out")
+    resume.add_argument("--out", metavar="DIR", default="runs", help="where run ids are looked up (default: runs)")
+    resume.add_argument("--verbose", "-v", action="store_true", help="show Prefect/Ray/vLLM logs")
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
     init = model_sub.add_parser("init", help="build (or find cached) the tiny warm-started default policy")
@@ -90,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--no-checkpoints", action="store_true", help="do not check or compare the original's "
                        "checkpoints (e.g. they were deleted)")
     repro.add_argument("--verbose", "-v", action="store_true", help="show Prefect/Ray/vLLM logs")
+    serve = sub.add_parser("serve", help="start a Prefect server and serve the train/evaluate/bench deployments "
+                           "(launch and watch runs in its UI)")
+    serve.add_argument("--host", default="127.0.0.1", help="server address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=4200, help="server port (default 4200)")
+    serve.add_argument("--api-url", metavar="URL", default=os.environ.get("PREFECT_API_URL"),
+                       help="use the Prefect server already at URL (e.g. http://host:4200/api) instead of "
+                            "starting one (default: $PREFECT_API_URL)")
+    serve.add_argument("--out", metavar="DIR", default="runs", help="the form's default run.out_dir (where "
+                       "launched runs and MLflow's sqlite store go) and the benchmark's output (default: runs)")
     show = sub.add_parser("config", help="print the resolved config as JSON")
     _add_config_args(show)
     return parser
@@ -103,6 +118,8 @@ def _quiet_environment(verbose: bool) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # The ephemeral Prefect API's 20 s start-up limit is exceeded on a loaded machine (a failed run, not a slow one).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if verbose:
         os.environ["REFLOW_VERBOSE"] = "1"
     else:
@@ -142,7 +159,49 @@ def preflight(cfg: ReflowConfig) -> None:
             raise InputError(f"storage.root: {exc}") from None
 
 
+def find_run(run: str, out: str | None) -> Path:
+    """The directory of run ``run`` (a path, or a run id under ``out``); InputError if it is not a run."""
+    candidates = [Path(run)] + ([Path(out) / run] if out and not Path(run).is_absolute() else [])
+    for path in candidates:
+        if (path / "run.json").is_file() and (path / "config.json").is_file():
+            return path.resolve()
+    raise InputError(f"{run!r} is not a run directory (no run.json and config.json in "
+                     f"{' or '.join(str(p) for p in candidates)})")
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    run_dir = find_run(args.run, args.out)
+    from reflow.infra.config import config_to_json
+
+    try:
+        cfg = ReflowConfig.model_validate_json((run_dir / "config.json").read_text())
+        record = json.loads((run_dir / "run.json").read_text())
+        run_id = record["run_id"]
+    except (ValueError, KeyError) as exc:
+        raise InputError(f"{run_dir}: unreadable config.json or run.json: {exc}") from None
+    _quiet_environment(args.verbose)
+    print(f"reflow resume {run_id}: mode={cfg.mode.kind} steps={cfg.run.total_steps}", flush=True)
+    from reflow.flows.rl_train import rl_train
+
+    outcome = rl_train(config_json=config_to_json(cfg), run_dir=str(run_dir), run_id=run_id, resume=True)
+    _print_outcome(outcome)
+    return 0
+
+
+def _print_outcome(outcome) -> None:
+    print(f"\nrun directory : {outcome.run_dir}\ncurves        : {outcome.curves_png}\n"
+          f"final model   : {outcome.final_model}\nDelta tables  : {outcome.store_root}/trajectories, "
+          f"{outcome.store_root}/usage\nMLflow run    : {outcome.mlflow_run_id}\nMLflow UI     : {outcome.tracking_ui}",
+          flush=True)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    if args.resume:
+        if args.config or args.overrides:
+            raise InputError("--resume continues a run with its saved config; drop --config and --set")
+        args.run = args.resume
+        args.out = args.out or "runs"
+        return _cmd_resume(args)
     overrides = list(args.overrides) + ([f"run.out_dir={json.dumps(args.out)}"] if args.out else [])
     cfg = load_config(args.config, overrides)
     preflight(cfg)
@@ -163,10 +222,7 @@ def _launch(cfg: ReflowConfig):
     from reflow.flows.rl_train import rl_train
 
     outcome = rl_train(config_json=config_to_json(cfg), run_dir=run_dir, run_id=run_id)
-    print(f"\nrun directory : {outcome.run_dir}\ncurves        : {outcome.curves_png}\n"
-          f"final model   : {outcome.final_model}\nDelta tables  : {outcome.store_root}/trajectories, "
-          f"{outcome.store_root}/usage\nMLflow run    : {outcome.mlflow_run_id}\nMLflow UI     : {outcome.tracking_ui}",
-          flush=True)
+    _print_outcome(outcome)
     return outcome
 
 
@@ -342,6 +398,23 @@ def _compare_repeat(args: argparse.Namespace, client, original_id: str, manifest
     return 1 if args.check and not result.matched else 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from reflow.infra.serve import ServeError, port_in_use, serve
+
+    if not 1 <= args.port <= 65535:
+        raise InputError(f"--port must be in 1..65535, got {args.port}")
+    if not args.api_url and port_in_use(args.host, args.port):
+        raise InputError(f"port {args.port} on {args.host} is already in use: pass --port with a free port, or "
+                         f"--api-url http://{args.host}:{args.port}/api to use a Prefect server already running there")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")  # flow-run logs (progress lines) go to the UI
+    _quiet_environment(False)
+    try:
+        return serve(args.host, args.port, args.api_url, str(Path(args.out).resolve()))
+    except ServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from reflow.infra.config import config_to_json
 
@@ -354,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"run": _cmd_run, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench,
                 "query": _cmd_query, "maintain": _cmd_maintain, "reproduce": _cmd_reproduce}
+
+
+    handlers = {"run": _cmd_run, "resume": _cmd_resume, "serve": _cmd_serve, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench}
     handler = _cmd_model_init if args.command == "model" else handlers[args.command]
     try:
         return handler(args)

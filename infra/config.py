@@ -252,6 +252,9 @@ class ResourcesConfig(_Section):
     engine_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per engine actor.")
     trainer_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per trainer actor.")
     torch_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads per actor.")
+    max_actor_restarts: int = Field(3, ge=0, le=1000, description="Times Ray restarts an engine or trainer "
+                                    "actor whose process died (its calls in flight are re-issued); 0: a dead "
+                                    "actor fails the run.")
 
 
 class TrackingConfig(_Section):

@@ -239,6 +239,14 @@ class FeederLoop:
         self._chunk = 0
         self._written = 0  # groups written
 
+    def resume_at(self, next_group: int, next_chunk: int) -> None:
+        """Continue a resumed run's stream: groups from ``next_group``, writes as chunks from ``next_chunk``.
+
+        Groups a killed attempt had in flight were never written; they are skipped, not re-generated.
+        """
+        self._next_group = self._written = next_group
+        self._chunk = next_chunk
+
     def _admit(self) -> None:
         """Submit as many whole groups as the gate and the concurrency target allow."""
         with self.state.cond:

@@ -87,10 +87,41 @@ def append_step(run_dir: str | Path, record: StepRecord) -> None:
 
 
 def read_steps(run_dir: str | Path) -> list[StepRecord]:
+    """The recorded steps; a torn last line (the process was killed while appending it) is left out."""
     path = Path(run_dir) / "steps.jsonl"
     if not path.exists():
         return []
-    return [StepRecord.model_validate(json.loads(line)) for line in path.read_text().splitlines() if line]
+    lines = [line for line in path.read_text().splitlines() if line]
+    steps = []
+    for i, line in enumerate(lines):
+        try:
+            steps.append(StepRecord.model_validate(json.loads(line)))
+        except ValueError:
+            if i < len(lines) - 1:
+                raise
+    return steps
+
+
+CHECKPOINT_PREFIX = "step-"
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    """Where the trainer state after ``step`` is saved."""
+    return Path(run_dir) / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
+    """(step, directory) of the newest complete checkpoint, or None.
+
+    Checkpoints are written to ``step-N.tmp`` and renamed, so a directory
+    named ``step-N`` holding ``trainer.pt`` is complete.
+    """
+    found = []
+    for path in (Path(run_dir) / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"):
+        suffix = path.name.removeprefix(CHECKPOINT_PREFIX)
+        if suffix.isdigit() and (path / "trainer.pt").is_file():
+            found.append((int(suffix), path))
+    return max(found) if found else None
 
 
 def rewrite_steps(run_dir: str | Path, steps: list[StepRecord]) -> None:

@@ -22,21 +22,44 @@ def _quiet_env(threads: int) -> dict[str, str]:
             "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 
 
+def _restarted() -> bool:
+    """Whether this actor is a restart by Ray of one that died (its state is gone)."""
+    try:
+        return ray.get_runtime_context().was_current_actor_reconstructed
+    except Exception:  # not inside an actor (unit tests call the classes directly)
+        return False
+
+
 class EngineWorker:
     """Hosts one generation ``Engine`` in its own process.
+
+    Ray restarts it when its process dies (``max_restarts``) and re-issues the
+    calls that were in flight (``max_task_retries``); a restarted engine first
+    loads the trainer's current weights, so it does not generate with the
+    initial ones. Each start has its own ``incarnation``: callers that
+    submitted requests to an earlier one re-submit those still unfinished.
 
     With ``tools`` (``infra.multiturn.ToolSettings``) and ``tool_fn`` (what one
     tool call runs, e.g. ``envs.tools.run_tool_call``) the engine is wrapped in
     a ``MultiTurnEngine``: tool calls run as Ray tasks while generation goes on.
     """
 
-    def __init__(self, kind: str, settings: Any, version: int = 0, tools: Any = None, tool_fn: Any = None) -> None:
+    def __init__(self, kind: str, settings: Any, version: int = 0, trainer: str | None = None,
+                 tools: Any = None, tool_fn: Any = None) -> None:
+        import uuid
+
         import torch
 
         from reflow.policies.engines import make_engine
 
         torch.set_num_threads(settings.threads)
-        self.engine = make_engine(kind, settings, version)
+        self._incarnation = uuid.uuid4().hex
+        if trainer is not None and _restarted():
+            weights, version = ray.get(ray.get_actor(trainer).weights_and_version.remote())
+            self.engine = make_engine(kind, settings, version)
+            self.engine.update_weights(weights, version)
+        else:
+            self.engine = make_engine(kind, settings, version)
         if tools is not None:
             self.engine = _multi_turn(self.engine, settings.model_dir, tools, tool_fn)
         self.max_sequences = settings.max_concurrent_sequences
@@ -57,8 +80,13 @@ class EngineWorker:
                         busy_slot_seconds=meter.busy_slot_seconds, slots=min(len(requests), self.max_sequences))
 
     def submit(self, requests: Sequence[Any]) -> int:
-        """Queue ``requests`` in the running engine (streaming modes); returns the number in flight."""
-        self.engine.submit(requests)
+        """Queue ``requests`` in the running engine (streaming modes); returns the number in flight.
+
+        Requests already running are skipped: after a restart both Ray's retry
+        of a queued ``submit`` and the caller's re-submission may bring them.
+        """
+        running = set(self.engine.pending_ids())
+        self.engine.submit([r for r in requests if r.request_id not in running])
         return self.engine.num_unfinished()
 
     def drain(self, window_s: float) -> Any:
@@ -73,7 +101,7 @@ class EngineWorker:
         while self.engine.num_unfinished() and time.perf_counter() - start < window_s:
             results.extend(meter.collect(max_steps=2))
         return Drain(results=results, seconds=time.perf_counter() - start, in_flight=self.engine.num_unfinished(),
-                     busy_slot_seconds=meter.busy_slot_seconds)
+                     busy_slot_seconds=meter.busy_slot_seconds, incarnation=self._incarnation)
 
     def abort(self, request_ids: Sequence[str] | None = None) -> list[Any]:
         """Abort the named requests (all in flight when None); their partial results."""
@@ -86,6 +114,13 @@ class EngineWorker:
 
     def version(self) -> int:
         return self.engine.version
+
+    def incarnation(self) -> str:
+        """Which start of this actor answers (changes when Ray restarts it)."""
+        return self._incarnation
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def _multi_turn(engine: Any, model_dir: str, tools: Any, tool_fn: Any) -> Any:
@@ -129,9 +164,16 @@ class TrainResult:
 
 
 class TrainerWorker:
-    """Hosts the ``Trainer``; reads its batches from the trajectory store itself."""
+    """Hosts the ``Trainer``; reads its batches from the trajectory store itself.
 
-    def __init__(self, model_dir: str, config_json: str, store_root: str, threads: int) -> None:
+    Ray restarts it when its process dies; a restarted trainer loads the
+    run's newest checkpoint and replays the steps the ``usage`` log records
+    after it (same trajectories, same loss weights), then Ray re-issues the
+    call that was in flight.
+    """
+
+    def __init__(self, model_dir: str, config_json: str, store_root: str, threads: int,
+                 run_dir: str | None = None, run_id: str | None = None) -> None:
         import torch
 
         from reflow.infra.config import ReflowConfig
@@ -145,6 +187,29 @@ class TrainerWorker:
         self.store_root = store_root
         self.store = None
         self.trainer = Trainer(model_dir, cfg.train, cfg.run.seed, device=device, dtype=cfg.model.dtype)
+        if run_dir is not None and run_id is not None and _restarted():
+            self.recover(run_dir, run_id)
+
+    def recover(self, run_dir: str, run_id: str) -> int:
+        """Newest checkpoint of ``run_dir``, then every later step of the usage log; returns the version."""
+        from reflow.infra.run import latest_checkpoint
+        from reflow.storage.delta_store import USAGE, DeltaTrajectoryStore
+        from reflow.storage.sampler import _quote
+
+        found = latest_checkpoint(run_dir)
+        done = -1
+        if found is not None:
+            done = found[0]
+            self.trainer.load_checkpoint(found[1])
+        store = DeltaTrajectoryStore(self.store_root)
+        if store.table_versions()[USAGE] < 0:
+            return self.trainer.version
+        rows = store.query(f"SELECT trainer_step, trajectory_id, loss_weight FROM {USAGE} WHERE run_id = "
+                           f"{_quote(run_id)} AND trainer_step > {done} ORDER BY trainer_step").to_pylist()
+        for step in sorted({r["trainer_step"] for r in rows}):
+            batch = [r for r in rows if r["trainer_step"] == step]
+            self.train(run_id, [r["trajectory_id"] for r in batch], [r["loss_weight"] for r in batch])
+        return self.trainer.version
 
     def train(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float],
               versions: tuple[int, int] | None = None) -> Any:
@@ -171,6 +236,13 @@ class TrainerWorker:
 
     def version(self) -> int:
         return self.trainer.version
+
+    def weights_and_version(self) -> tuple[dict[str, Any], int]:
+        """The current weights and their version, consistent with each other."""
+        return self.trainer.export_weights(), self.trainer.version
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def save_checkpoint(self, path: str) -> str:
         return str(self.trainer.save_checkpoint(path))
@@ -210,11 +282,15 @@ def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
 
 
 def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root: str,
-                   engine_settings: Any, version: int = 0, tool_fn: Any = None) -> Placement:
+                   engine_settings: Any, version: int = 0, run_dir: str | None = None,
+                   run_id: str | None = None, tool_fn: Any = None) -> Placement:
     """Create the engine and trainer actors and wait until both are ready.
 
-    With ``cfg.tools.max_calls > 0`` the engine runs multi-turn tool use and
-    ``tool_fn`` (transcript, timeout_s, max_chars) -> appended text is its tool.
+    Both are restarted by Ray up to ``resources.max_actor_restarts`` times if
+    their process dies, and the calls in flight are re-issued (see the
+    classes for how each restores its state). With ``cfg.tools.max_calls > 0``
+    the engine runs multi-turn tool use and ``tool_fn`` (transcript,
+    timeout_s, max_chars) -> appended text is its tool.
     """
     from reflow.infra.config import config_to_json
     from reflow.infra.multiturn import ToolSettings
@@ -229,14 +305,17 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
 
     res = cfg.resources
     env = {"env_vars": _quiet_env(res.torch_threads)}
+    restarts = {"max_restarts": res.max_actor_restarts, "max_task_retries": -1 if res.max_actor_restarts else 0}
     engine_name = "engine-0"
     trainer_name = "trainer"
     engine = ray.remote(EngineWorker).options(
         name=engine_name, namespace=namespace, num_cpus=res.engine_cpus, num_gpus=res.engine_gpus,
-        runtime_env=env, max_concurrency=1).remote(cfg.rollout.engine, engine_settings, version, tools, tool_fn)
+        runtime_env=env, max_concurrency=1, **restarts).remote(cfg.rollout.engine, engine_settings, version,
+                                                                trainer_name, tools, tool_fn)
     trainer = ray.remote(TrainerWorker).options(
         name=trainer_name, namespace=namespace, num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
-        runtime_env=env).remote(model_dir, config_to_json(cfg), store_root, res.torch_threads)
+        runtime_env=env, **restarts).remote(model_dir, config_to_json(cfg), store_root, res.torch_threads,
+                                            run_dir, run_id)
     _HANDLES[namespace] = [engine, trainer]
     ray.get([engine.version.remote(), trainer.version.remote()])
     return Placement(namespace=namespace, engines=(engine_name,), trainer=trainer_name)

@@ -126,6 +126,7 @@ class Drain:
     seconds: float  # engine time spent stepping
     in_flight: int  # requests still running
     busy_slot_seconds: float = 0.0  # sum over engine steps of (sequences decoding x step time)
+    incarnation: str = ""  # which start of the engine actor answered (a restarted actor lost its requests)
 
 
 def generate_all(engine: Engine, requests: Sequence[GenRequest]) -> list[GenResult]:

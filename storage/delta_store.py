@@ -83,6 +83,10 @@ class TrajectoryStore(Protocol):
         """Append a rollout-cache snapshot; return the new table version, or None if skipped."""
         ...
 
+    def committed(self, name: str, app_id: str) -> int | None:
+        """The latest ``txn_version`` committed to table ``name`` under ``app_id`` (None: none yet)."""
+        ...
+
     def read_trajectories(self, *, run_id: str, rollout_step: int | None = None,
                           ids: Sequence[str] | None = None, versions: tuple[int, int] | None = None) -> pa.Table:
         """Trajectories of one run (optionally one rollout step, some ids, a version range), in TRAJECTORY_SCHEMA."""
@@ -300,6 +304,14 @@ class DeltaTrajectoryStore:
         raise StorageError(f"append to {self.table_uri(name)} failed after {COMMIT_ATTEMPTS} "
                            f"attempts against concurrent writers: {failure}") from failure
 
+    def committed(self, name: str, app_id: str) -> int | None:
+        """The latest ``txn_version`` committed to table ``name`` under ``app_id`` (None: none yet).
+
+        A resumed run asks this to find the work a killed attempt already wrote.
+        """
+        table = self._latest(name)
+        return None if table is None else table.transaction_version(app_id)
+
     def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
         """Append trajectories; return the new table version, or None if skipped (already written or empty)."""
         return self._append(TRAJECTORIES, to_table(records, TRAJECTORY_SCHEMA), app_id, txn_version)
@@ -437,6 +449,11 @@ class InMemoryTrajectoryStore:
             self._versions[name] = self._versions.get(name, 0) + 1
             self._txns[(name, app_id)] = txn_version
             return self._versions[name]
+
+    def committed(self, name: str, app_id: str) -> int | None:
+        """The latest ``txn_version`` committed to table ``name`` under ``app_id`` (None: none yet)."""
+        with self._lock:
+            return self._txns.get((name, app_id))
 
     def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
         """Append trajectories; return the new version, or None if skipped (already written or empty)."""

@@ -54,6 +54,14 @@ class Tracker(Protocol):
         """Open the run, log its parameters and tags; return the run id."""
         ...
 
+    def resume(self, run_id: str) -> None:
+        """Reopen the existing run ``run_id`` (a resumed training run logs into the same run)."""
+        ...
+
+    def logged_steps(self) -> dict[str, set[int]]:
+        """Per metric key, the steps already logged in the open run."""
+        ...
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Log scalar metrics at ``step``; non-finite values are dropped."""
         ...
@@ -86,6 +94,14 @@ class NullTracker:
         """Return a new random run id (32 hex digits, like MLflow's)."""
         self.run_id = uuid.uuid4().hex
         return self.run_id
+
+    def resume(self, run_id: str) -> None:
+        """Remember ``run_id``."""
+        self.run_id = run_id
+
+    def logged_steps(self) -> dict[str, set[int]]:
+        """Nothing was logged."""
+        return {}
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Do nothing."""
@@ -184,6 +200,24 @@ class MLflowTracker:
         for tag_batch in _chunks(tag_list, MAX_PARAMS_OR_TAGS_PER_BATCH):
             self._client.log_batch(self.run_id, tags=tag_batch)
         return self.run_id
+
+    def resume(self, run_id: str) -> None:
+        """Reopen run ``run_id`` (left RUNNING or FAILED by a killed attempt) and mark it RUNNING again."""
+        from mlflow import MlflowClient
+
+        _quiet_mlflow_logging()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*``noload`` loader strategy is deprecated")
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+            run = self._client.get_run(run_id)
+        self.run_id, self.experiment_id, self._ended = run_id, run.info.experiment_id, False
+        self._client.update_run(run_id, status="RUNNING")
+
+    def logged_steps(self) -> dict[str, set[int]]:
+        """Per metric key, the steps already logged (so a resumed run logs each step once)."""
+        client, run_id = self._active()
+        keys = client.get_run(run_id).data.metrics
+        return {key: {m.step for m in client.get_metric_history(run_id, key)} for key in keys}
 
     def _experiment_id(self, client: MlflowClient) -> str:
         """Id of ``self.experiment``, created (with artifacts next to a sqlite db) if missing."""

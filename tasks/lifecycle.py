@@ -15,19 +15,21 @@ from prefect.cache_policies import NO_CACHE
 
 from reflow.infra import provenance, report
 from reflow.infra.config import ReflowConfig, flat_params
+from reflow.infra.run import (RunRecord, StepRecord, append_step, default_tracking_uri, latest_checkpoint,
+                              load_config_of, load_record, read_steps, rewrite_steps, write_config, write_record)
 from reflow.infra.runlock import WriterLock, lock_paths
-from reflow.infra.run import (RunRecord, StepRecord, append_step, default_tracking_uri, read_steps, rewrite_steps,
-                              write_config, write_record)
 from reflow.infra.workers import Placement, actor, launch_workers, start_ray, stop_workers
 from reflow.policies.engines import EngineSettings, model_max_len
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.tracker import Tracker, make_tracker
-from reflow.tasks.context import _tokenizer, context
+from reflow.tasks.context import _tokenizer, context, mark_origin
 
 # One tracker per run, owned by the process that runs the flow (tasks run in it).
 _TRACKERS: dict[str, Tracker] = {}
 # The writer lock of each run this process runs (released by teardown).
 _LOCKS: dict[str, WriterLock] = {}
+# A resumed run: per metric key, the steps its MLflow run already holds.
+_LOGGED: dict[str, dict[str, set[int]]] = {}
 
 
 def resolve_model_dir(cfg: ReflowConfig, progress=print) -> str:
@@ -49,14 +51,21 @@ def _engine_settings(cfg: ReflowConfig, model_dir: str) -> EngineSettings:
 
 
 @task(name="prepare", cache_policy=NO_CACHE)
-def prepare(config_json: str, run_dir: str, run_id: str) -> str:
-    """Create the run directory, build/load the model, start workers and the tracker."""
+def prepare(config_json: str, run_dir: str, run_id: str, resume: bool = False) -> str:
+    """Create the run directory, build/load the model, start workers and the tracker.
+
+    ``resume``: the run directory exists (a killed attempt made it); keep its
+    config and record, and reopen its MLflow run instead of creating one.
+    """
     cfg = ReflowConfig.model_validate_json(config_json)
+    previous = load_record(run_dir) if resume else None
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     store_root = cfg.storage.root or str(Path(run_dir).resolve() / "tables")
+    # A killed attempt's lock is stale (its pid is dead) and is taken over; a live writer is refused.
     _LOCKS[run_dir] = WriterLock(lock_paths(run_dir, store_root, run_id), run_id).acquire()
-    write_config(run_dir, cfg)
-    model_dir = resolve_model_dir(cfg)
+    if previous is None:
+        write_config(run_dir, cfg)
+    model_dir = previous.model_dir if previous is not None else resolve_model_dir(cfg)
     namespace = f"reflow-{run_id}"
     print(f"starting Ray and workers ({cfg.rollout.engine} engine, torch trainer)...", flush=True)
     start_ray(cfg, namespace, verbose=os.environ.get("REFLOW_VERBOSE") == "1")
@@ -64,15 +73,20 @@ def prepare(config_json: str, run_dir: str, run_id: str) -> str:
     if cfg.tools.max_calls:
         from reflow.envs.tools import run_tool_call as tool_fn
     placement = launch_workers(cfg, namespace, model_dir, store_root, _engine_settings(cfg, model_dir),
-                               tool_fn=tool_fn)
+                               run_dir=str(Path(run_dir).resolve()), run_id=run_id, tool_fn=tool_fn)
     tracking_uri = default_tracking_uri(cfg)
     tracker = make_tracker(tracking_uri, cfg.tracking.experiment, Path(cfg.run.out_dir))
-    manifest = provenance.start_manifest(json.loads(config_json), run_id, model_dir,
-                                         "path" if cfg.model.path else "tiny",
-                                         DeltaTrajectoryStore(store_root).table_versions())
-    mlflow_run_id = tracker.start(run_id, flat_params(cfg), _provenance_tags(cfg, run_dir, manifest))
-    tracker.log_artifact(Path(run_dir) / "config.json", "config")
-    tracker.log_artifact(provenance.write_manifest(run_dir, manifest), "reproduce")
+    if previous is not None and previous.mlflow_run_id is not None:
+        tracker.resume(previous.mlflow_run_id)
+        mlflow_run_id = previous.mlflow_run_id
+        _LOGGED[run_dir] = tracker.logged_steps()
+    else:
+        manifest = provenance.start_manifest(json.loads(config_json), run_id, model_dir,
+                                             "path" if cfg.model.path else "tiny",
+                                             DeltaTrajectoryStore(store_root).table_versions())
+        mlflow_run_id = tracker.start(run_id, flat_params(cfg), _provenance_tags(cfg, run_dir, manifest))
+        tracker.log_artifact(Path(run_dir) / "config.json", "config")
+        tracker.log_artifact(provenance.write_manifest(run_dir, manifest), "reproduce")
     _TRACKERS[run_dir] = tracker
     write_record(RunRecord(run_id=run_id, run_dir=run_dir, store_root=store_root, model_dir=model_dir,
                            namespace=namespace, engines=placement.engines, trainer=placement.trainer,
@@ -94,12 +108,75 @@ def _provenance_tags(cfg: ReflowConfig, run_dir: str, manifest: dict) -> dict[st
     return tags
 
 
+@task(name="prepare_eval", cache_policy=NO_CACHE)
+def prepare_eval(run_dir: str) -> str:
+    """Start Ray and workers holding a finished run's final model, under the names its record gives."""
+    record, cfg = load_record(run_dir), load_config_of(run_dir)
+    final = Path(run_dir) / "final_model"
+    if not (final / "config.json").is_file():
+        raise ValueError(f"{run_dir} has no final model (final_model/config.json): the run did not finish")
+    start_ray(cfg, record.namespace, verbose=os.environ.get("REFLOW_VERBOSE") == "1")
+    launch_workers(cfg, record.namespace, str(final), record.store_root, _engine_settings(cfg, str(final)))
+    return str(final)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where a resumed run continues."""
+
+    first_step: int  # the first step to run (0: nothing was checkpointed)
+    version: int  # trainer version restored from the checkpoint
+    checkpoint: str | None
+
+
+@task(name="restore", cache_policy=NO_CACHE)
+def restore(run_dir: str) -> Restored:
+    """Load the newest checkpoint into the trainer, give the engines its weights; the step to continue from.
+
+    Steps after the checkpoint are run again: what a killed attempt already
+    wrote for them (trajectories, usage rows, MLflow metrics, ``steps.jsonl``
+    lines) is found and not written twice, and their batches are the ones it
+    wrote, so the trainer replays them exactly.
+    """
+    rewrite_steps(run_dir, read_steps(run_dir))  # drop a line torn by the kill
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        print("resumed from the start (no checkpoint yet)", flush=True)
+        return Restored(first_step=0, version=0, checkpoint=None)
+    step, path = found
+    ctx = context(run_dir)
+    trainer = actor(ctx.record.trainer, ctx.record.namespace)
+    version = ray.get(trainer.load_checkpoint.remote(str(path)))
+    weights = trainer.export_weights.remote()
+    ray.get([actor(name, ctx.record.namespace).update_weights.remote(weights, version) for name in ctx.record.engines])
+    done = [r for r in read_steps(run_dir) if r.step <= step]
+    if done:
+        mark_origin(run_dir, ctx.clock.now() - done[-1].elapsed_s)  # the training clock continues
+    print(f"resumed from {path.name}: step {step + 1} done, trainer version {version}", flush=True)
+    return Restored(first_step=step + 1, version=version, checkpoint=str(path))
+
+
+def recorded_baseline(run_dir: str) -> "EvalSummary | None":
+    """The warm-start evaluation a killed attempt recorded with its steps (None: it recorded none)."""
+    from reflow.tasks.rollout import EvalSummary
+
+    for rec in read_steps(run_dir):
+        if "eval_accuracy_baseline" in rec.metrics:
+            return EvalSummary(step=-1, accuracy=rec.metrics["eval_accuracy_baseline"], reward_mean=float("nan"),
+                               length_mean=float("nan"), seconds=0.0)
+    return None
+
+
 @task(name="track", cache_policy=NO_CACHE)
 def track(run_dir: str, record: StepRecord) -> None:
     """Log one step to MLflow and ``steps.jsonl`` and print the progress line."""
     ctx = context(run_dir)
-    _TRACKERS[run_dir].log_metrics(record.metrics, step=record.step)
-    append_step(run_dir, record)
+    logged = _LOGGED.get(run_dir, {})
+    fresh = {k: v for k, v in record.metrics.items() if record.step not in logged.get(k, ())}
+    _TRACKERS[run_dir].log_metrics(fresh, step=record.step)  # a resumed step: only what was not logged yet
+    resumed = run_dir in _LOGGED
+    if not (resumed and any(r.step == record.step for r in read_steps(run_dir))):  # else the killed attempt did
+        append_step(run_dir, record)
     print(report.progress_line(record, ctx.cfg.run.total_steps), flush=True)
 
 
@@ -196,6 +273,7 @@ def finalize(run_dir: str) -> RunOutcome:
 def teardown(run_dir: str, failed: bool) -> None:
     """Stop the run's actors and Ray; close the tracker as FAILED if the flow failed."""
     tracker = _TRACKERS.pop(run_dir, None)
+    _LOGGED.pop(run_dir, None)
     if tracker is not None and failed:
         tracker.end("FAILED")
     lock = _LOCKS.pop(run_dir, None)

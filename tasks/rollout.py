@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from reflow.envs.base import Prompt, Score
 from reflow.infra.workers import actor
 from reflow.policies.engines import GenBatch, GenRequest, GenResult
+from reflow.storage.delta_store import TRAJECTORIES
 from reflow.storage.schema import Trajectory
 from reflow.tasks.context import TaskContext, context, mark_origin
 
@@ -75,6 +76,24 @@ def _requests(ctx: TaskContext, prompts: list[Prompt], samples: int, tag: str) -
             for p, tok in zip(prompts, ids) for k in range(samples)]
 
 
+def written_before(ctx: TaskContext, step: int) -> bool:
+    """Whether the trajectories of round ``step`` are already in Delta (written by an attempt that was killed)."""
+    done = ctx.store.committed(TRAJECTORIES, f"{ctx.record.run_id}:trajectories")
+    return done is not None and done >= step
+
+
+def summary_of_written(ctx: TaskContext, step: int, start: float) -> ScoreSummary:
+    """The ``ScoreSummary`` of a round already in Delta (its generation time was spent by the earlier attempt)."""
+    rows = ctx.store.read_trajectories(run_id=ctx.record.run_id, rollout_step=step)
+    lengths = np.asarray(rows.column("response_length").to_pylist(), dtype=float)
+    return ScoreSummary(step=step, delta_version=None, num_samples=rows.num_rows,
+                        reward_mean=float(np.mean(rows.column("reward").to_pylist())),
+                        accuracy=float(np.mean(rows.column("correct").to_pylist())),
+                        length_mean=float(lengths.mean()), length_p50=float(np.percentile(lengths, 50)),
+                        length_p99=float(np.percentile(lengths, 99)), generated_tokens=0,
+                        generation_seconds=0.0, seconds=ctx.clock.now() - start)
+
+
 @task(name="rollout", cache_policy=NO_CACHE)
 def rollout(run_dir: str, step: int) -> RolloutHandle:
     """Submit ``samples_per_prompt`` responses for each prompt of ``step``; returns at once.
@@ -84,9 +103,11 @@ def rollout(run_dir: str, step: int) -> RolloutHandle:
     actor (a weight sync) run after the round, in order.
     """
     ctx = context(run_dir)
-    requests = _requests(ctx, _train_prompts(ctx, step), ctx.cfg.rollout.samples_per_prompt, str(step))
     now = ctx.clock.now()
     mark_origin(run_dir, now)
+    if written_before(ctx, step):  # a resumed run: a killed attempt already wrote this round
+        return RolloutHandle(step=step, samples=None, num_requests=0, submitted_at=now)
+    requests = _requests(ctx, _train_prompts(ctx, step), ctx.cfg.rollout.samples_per_prompt, str(step))
     ref = actor(ctx.record.engines[0], ctx.record.namespace).generate.remote(requests)
     return RolloutHandle(step=step, samples=ref, num_requests=len(requests), submitted_at=now)
 
@@ -124,6 +145,8 @@ def tool_calls(loss_mask: list[int]) -> int:
 def score(run_dir: str, handle: RolloutHandle) -> ScoreSummary:
     """Reward every sample and append the scored trajectories to Delta."""
     ctx = context(run_dir)
+    if handle.samples is None:
+        return summary_of_written(ctx, handle.step, ctx.clock.now())
     batch: GenBatch = ray.get(handle.samples)
     start = ctx.clock.now()
     results = batch.results

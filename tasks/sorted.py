@@ -22,7 +22,8 @@ from reflow.storage.delta_store import ROLLOUT_CACHE
 from reflow.storage.sampler import _quote
 from reflow.storage.schema import CachedSample
 from reflow.tasks.context import TaskContext, context, mark_origin
-from reflow.tasks.rollout import ScoreSummary, _records, _requests
+from reflow.tasks.rollout import ScoreSummary, _records, _requests, summary_of_written, written_before
+from reflow.tasks.stream import PendingRequests
 
 _SCHEDULERS: dict[str, SortedScheduler] = {}
 
@@ -37,27 +38,30 @@ class RayRoundEngine:
 
     def __init__(self, handle: Any, max_sequences: int) -> None:
         self.handle, self.max_sequences = handle, max_sequences
+        self.pending = PendingRequests(handle)
         self._queued: Any = None
         self._window = 0.05
 
     def submit(self, requests: Sequence[GenRequest]) -> None:
-        self.handle.submit.remote(list(requests))
+        self.pending.submit(requests)
 
     def drain(self, window_s: float) -> tuple[list[GenResult], float]:
         self._window = window_s
         if self._queued is None:
             self._queued = self.handle.drain.remote(window_s)
-        drain = ray.get(self._queued)
+        drain = self.pending.drained(ray.get(self._queued))
         self._queued = self.handle.drain.remote(window_s)
         return drain.results, drain.busy_slot_seconds
 
     def abort_all(self) -> tuple[list[GenResult], list[GenResult], float]:
         late, slot_s = [], 0.0
         if self._queued is not None:
-            drain = ray.get(self._queued)
+            drain = self.pending.drained(ray.get(self._queued))
             self._queued = None
             late, slot_s = drain.results, drain.busy_slot_seconds
-        return late, ray.get(self.handle.abort.remote()), slot_s
+        aborted = ray.get(self.handle.abort.remote())
+        self.pending.requests.clear()  # the round is over: nothing of it is in the engine any more
+        return late, aborted, slot_s
 
 
 def _scheduler(ctx: TaskContext, run_dir: str) -> SortedScheduler:
@@ -92,8 +96,10 @@ def _scheduler(ctx: TaskContext, run_dir: str) -> SortedScheduler:
 def sorted_round(run_dir: str, step: int) -> ScoreSummary:
     """One SortedRL round: write the shortest complete groups for ``step`` and the cache snapshot to Delta."""
     ctx = context(run_dir)
-    sched = _scheduler(ctx, run_dir)
     mark_origin(run_dir, ctx.clock.now())
+    if written_before(ctx, step):  # a resumed run: the round and its cache snapshot are already in Delta
+        return summary_of_written(ctx, step, ctx.clock.now())
+    sched = _scheduler(ctx, run_dir)
     engine = RayRoundEngine(actor(ctx.record.engines[0], ctx.record.namespace), ctx.cfg.rollout.max_concurrent_sequences)
     result = sched.run_round(engine)
     start = ctx.clock.now()

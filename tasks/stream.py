@@ -23,6 +23,8 @@ from reflow.infra.run import StepRecord
 from reflow.infra.workers import actor
 from reflow.policies.offpolicy import replay_weight
 from reflow.storage.replay import CachedTables, ReplayPolicy, ReplaySelection, select_batch
+from reflow.storage.delta_store import TRAJECTORIES, USAGE
+from reflow.storage.sampler import _quote
 from reflow.tasks.context import TaskContext, context, mark_origin, step_clock
 from reflow.tasks.rollout import _records, _requests
 from reflow.tasks.update import UpdateSummary, push_weights, update
@@ -68,6 +70,91 @@ def write_groups(run_dir: str, chunk: int, results: Any) -> WriteSummary:
                         seconds=ctx.clock.now() - start)
 
 
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where a resumed streaming run's feeder continues, rebuilt from the tables."""
+
+    next_group: int  # first stream position not written yet
+    next_chunk: int  # next write_groups transaction
+    written_groups: int
+    unused: dict[int, int]  # written groups never trained on -> their oldest policy version
+
+
+def stream_position(run_dir: str) -> StreamPosition:
+    """The feeder's position after what a killed attempt wrote (groups in flight then are skipped)."""
+    ctx = context(run_dir)
+    run = _quote(ctx.record.run_id)
+    done = ctx.store.committed(TRAJECTORIES, f"{ctx.record.run_id}:trajectories")
+    if done is None:
+        return StreamPosition(0, 0, 0, {})
+    groups = ctx.store.query(f"SELECT group_id, MIN(policy_version) AS version FROM {TRAJECTORIES} "
+                             f"WHERE run_id = {run} GROUP BY group_id").to_pylist()
+    used: set[str] = set()
+    if ctx.store.table_versions()[USAGE] >= 0:
+        used = {r["group_id"] for r in ctx.store.query(
+            f"SELECT DISTINCT t.group_id FROM {USAGE} u JOIN {TRAJECTORIES} t ON u.trajectory_id = t.trajectory_id "
+            f"WHERE u.run_id = {run}").to_pylist()}
+    positions = [_stream_position(r["group_id"]) for r in groups]
+    unused = {_stream_position(r["group_id"]): r["version"] for r in groups if r["group_id"] not in used}
+    return StreamPosition(next_group=max(positions, default=-1) + 1, next_chunk=done + 1,
+                          written_groups=len(groups), unused=unused)
+
+
+def recorded_batch(ctx: TaskContext, step: int) -> ReplaySelection | None:
+    """The batch the usage log records for ``step`` (a resumed run replays it exactly), or None."""
+    run = _quote(ctx.record.run_id)
+    rows = ctx.store.query(
+        f"WITH prior AS (SELECT trajectory_id, COUNT(*) AS reuse FROM {USAGE} WHERE run_id = {run} "
+        f"AND trainer_step < {step} GROUP BY trajectory_id) "
+        f"SELECT u.trajectory_id, u.loss_weight, u.trainer_version, t.policy_version, t.group_id, "
+        f"COALESCE(prior.reuse, 0) AS reuse FROM {USAGE} u JOIN {TRAJECTORIES} t "
+        f"ON u.trajectory_id = t.trajectory_id LEFT JOIN prior ON prior.trajectory_id = u.trajectory_id "
+        f"WHERE u.run_id = {run} AND u.trainer_step = {step} ORDER BY u.trajectory_id").to_pylist()
+    if not rows:
+        return None
+    version = rows[0]["trainer_version"]
+    return ReplaySelection(trajectory_ids=[r["trajectory_id"] for r in rows],
+                           loss_weights=[r["loss_weight"] for r in rows],
+                           policy_versions=[r["policy_version"] for r in rows],
+                           group_ids=[r["group_id"] for r in rows], reuse_counts=[r["reuse"] for r in rows],
+                           kinds=["replay" if r["reuse"] else ("fresh" if r["policy_version"] == version else "stale")
+                                  for r in rows], trainer_version=version)
+
+
+class PendingRequests:
+    """The requests submitted to an engine actor and not finished yet, re-issued if the actor restarts.
+
+    Ray restarts a dead engine actor and re-issues the calls that were in
+    flight, but a restarted engine has lost the requests it was running; a
+    drain answered by a new incarnation makes this re-submit them.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.requests: dict[str, Any] = {}
+        self.incarnation: str = ray.get(engine.incarnation.remote())
+        self.reissued = 0
+
+    def submit(self, requests: Sequence[Any]) -> None:
+        self.requests.update((r.request_id, r) for r in requests)
+        self.engine.submit.remote(list(requests))
+
+    def drained(self, drain: Any) -> Any:
+        """Forget what ``drain`` finished; re-submit the rest if a restarted engine answered."""
+        for res in drain.results:
+            self.requests.pop(res.request_id, None)
+        if drain.incarnation and drain.incarnation != self.incarnation:
+            self.incarnation = drain.incarnation
+            self.reissued += len(self.requests)
+            self.engine.submit.remote(list(self.requests.values()))  # the engine skips ones it already runs
+            print(f"engine actor restarted: re-issued {len(self.requests)} unfinished requests", flush=True)
+        return drain
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+
 class RayFeeder:
     """``FeederBackend`` over the run's engine actor and the ``write_groups`` task."""
 
@@ -77,6 +164,7 @@ class RayFeeder:
         self.engine = actor(self.ctx.record.engines[0], self.ctx.record.namespace)
         self.samples_per_group = self.ctx.cfg.rollout.samples_per_prompt
         self.last_write: WriteSummary | None = None
+        self.pending = PendingRequests(self.engine)
 
     def submit(self, groups: Sequence[int]) -> None:
         mark_origin(self.run_dir, self.ctx.clock.now())
@@ -84,13 +172,13 @@ class RayFeeder:
         for g in groups:
             prompt = self.ctx.env.prompts("train", start=g, count=1)
             requests += _requests(self.ctx, prompt, self.samples_per_group, f"g{g}")
-        self.engine.submit.remote(requests)  # actor calls run in order: before the next drain
+        self.pending.submit(requests)  # actor calls run in order: before the next drain
 
     def start_drain(self, window_s: float) -> Any:
         return self.engine.drain.remote(window_s)
 
     def wait_drain(self, handle: Any) -> Drained:
-        drain = ray.get(handle)
+        drain = self.pending.drained(ray.get(handle))
         return Drained(finished=[Finished(group_of(r.request_id), r, len(r.response_tokens)) for r in drain.results],
                        busy_s=drain.seconds, in_flight=drain.in_flight)
 
@@ -123,8 +211,14 @@ class RaySelector:
         self.tables = CachedTables(self.ctx.store)
         self.state, self.controller, self.on_step = state, controller, on_step
         self.seen = SelectorRecord()
+        # A resumed run: steps up to this one were trained (and logged to usage) by the killed attempt.
+        self.recorded_until = self.ctx.store.committed(USAGE, f"{self.ctx.record.run_id}:usage")
 
     def select(self, step: int, trainer_version: int) -> ReplaySelection:
+        if self.recorded_until is not None and step <= self.recorded_until:
+            recorded = recorded_batch(self.ctx, step)
+            if recorded is not None:
+                return recorded
         return select_batch(self.tables, self.ctx.record.run_id, trainer_version,
                             self.ctx.cfg.rollout.prompts_per_step, self.policy, self.weight_fn,
                             samples_per_prompt=self.ctx.cfg.rollout.samples_per_prompt)

@@ -9,12 +9,11 @@ appends one ``usage`` row per trajectory (application transaction
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
 import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from reflow.infra.run import checkpoint_dir
 from reflow.infra.workers import BatchStats, actor
 from reflow.storage.sampler import BatchSelection, sync_batch
 from reflow.storage.schema import Usage
@@ -105,5 +104,5 @@ def push_weights(run_dir: str, version: int) -> None:
 def checkpoint(run_dir: str, step: int) -> str:
     """Trainer state (model, optimiser, RNG, version) under ``checkpoints/step-<N>``."""
     ctx = context(run_dir)
-    path = Path(run_dir) / "checkpoints" / f"step-{step:06d}"
+    path = checkpoint_dir(run_dir, step)
     return ray.get(actor(ctx.record.trainer, ctx.record.namespace).save_checkpoint.remote(str(path)))

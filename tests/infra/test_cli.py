@@ -98,3 +98,18 @@ def test_bad_dataset_exits_2_before_anything_is_written(tmp_path: Path) -> None:
     proc = _reflow(*base, "--set", f'env.data_path="{math_rows}"', cwd=tmp_path)  # math rows for the code env
     assert proc.returncode == 2 and "missing column 'input_output'" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_resume_of_a_missing_run_exits_2(tmp_path: Path) -> None:
+    proc = _reflow("resume", "no-such-run", "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2 and "'no-such-run' is not a run directory" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_resume_refuses_a_new_config(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    proc = _reflow("run", "--resume", str(run_dir), "--set", "run.total_steps=3", cwd=tmp_path)
+    assert proc.returncode == 2 and "drop --config and --set" in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == []
+

@@ -1,0 +1,116 @@
+"""Helpers of the end-to-end tests that run ``reflow`` as a process and kill it or its workers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+
+def _session_processes(sid: int) -> list[str]:
+    """Command lines of live processes in session ``sid`` (the killed driver's: Prefect, Ray, actors)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) != sid:
+                continue
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # a zombie is already dead
+            found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+class Attempt:
+    """One ``reflow run``/``reflow resume`` process in its own session, its output read line by line."""
+
+    def __init__(self, args: list[str], cwd: Path, ray_tmp: str) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(cwd / "prefect"), "RAY_TMPDIR": ray_tmp}
+        self.proc = subprocess.Popen([sys.executable, "-m", "reflow.infra.cli", *args], cwd=cwd, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self.cond:
+                self.lines.append(line)
+                self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    def steps_seen(self) -> list[int]:
+        with self.cond:
+            return [int(line.split()[1].split("/")[0]) for line in self.lines if line.startswith("step ")]
+
+    def wait_for_step(self, step: int, timeout: float = 240) -> None:
+        """Until the progress line of 1-based ``step`` is printed (``step`` 0: any step)."""
+        deadline = time.monotonic() + timeout
+        with self.cond:  # an RLock: steps_seen takes it again
+            while not (seen := self.steps_seen()) or (step and step not in seen):
+                assert self.proc.poll() is None, f"exited before step {step}:\n{self.output()}"
+                assert time.monotonic() < deadline, f"no step {step} in time:\n{self.output()}"
+                self.cond.wait(1.0)
+
+    def kill(self) -> None:
+        """SIGKILL the driver's whole process group, then check nothing of its session survives."""
+        assert self.proc.poll() is None, "the attempt finished before it could be killed:\n" + self.output()
+        sid = self.proc.pid
+        os.killpg(sid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while (left := _session_processes(sid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"processes of the killed run are still alive: {left}"
+
+    def finish(self, timeout: float = 300) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def output(self) -> str:
+        return "".join(self.lines)[-4000:]
+
+
+
+def worker_pid(sid: int, role: str) -> int | None:
+    """Pid of the live ``ray::<role>`` process (EngineWorker, TrainerWorker) in session ``sid``."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) == sid and Path(f"/proc/{pid}/cmdline").read_bytes().startswith(
+                    f"ray::{role}".encode()):
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.fixture
+def ray_tmp() -> Iterator[str]:
+    """A short temp dir for Ray (its socket paths must fit in 107 bytes), removed afterwards."""
+    path = tempfile.mkdtemp(prefix="rf-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def reflow_process(ray_tmp: str):
+    """Start ``python -m reflow.infra.cli ARGS`` in ``cwd`` as an ``Attempt`` (Ray under ``ray_tmp``)."""
+    return lambda args, cwd: Attempt(args, cwd, ray_tmp)
+
+
+@pytest.fixture(name="worker_pid")
+def worker_pid_fixture():
+    """``worker_pid(sid, role)``."""
+    return worker_pid

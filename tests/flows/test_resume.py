@@ -1,0 +1,123 @@
+"""Resume after a crash: SIGKILL the driver (and its process group) at random points, resume, check the tables.
+
+Nothing lost, nothing doubled: every trajectory id appears once, the usage log's
+trainer steps run 0..N-1 without gaps or repeats, every trajectory is trained on,
+the MLflow run is the same one and holds each step's metrics once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+
+REPO = Path(__file__).resolve().parents[2]
+TOTAL_STEPS = 6
+
+
+def _continues(attempt) -> int:
+    """The resumed attempt's first step (1-based) is the one after its checkpoint; returns it."""
+    (line,) = [line for line in attempt.lines if line.startswith("resumed from ")]
+    checkpoint = int(line.split("step-")[1].split(":")[0]) if "step-" in line else -1
+    assert attempt.steps_seen()[0] == checkpoint + 2, attempt.output()  # step-N holds 0-based step N
+    return checkpoint + 2
+
+
+def _checkpointed(run_dir: Path) -> int:
+    """Highest checkpointed step (0-based), -1 if none."""
+    steps = [int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*")
+             if p.name.removeprefix("step-").isdigit()]
+    return max(steps, default=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mode: str) -> None:
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    out = tmp_path / "runs"
+    run_args = ["--config", str(REPO / "configs/smoke.toml"), "--out", str(out),
+                "--set", f"run.total_steps={TOTAL_STEPS}", "--set", "run.checkpoint_every_steps=1",
+                "--set", 'rollout.engine="transformers"', "--set", f'model.cache_dir="{tmp_path / "models"}"',
+                "--set", f'mode.kind="{mode}"']
+    kills = []
+    first = reflow_process(["run", *run_args], tmp_path)
+    kill_after = rng.choice([1, 2])
+    first.wait_for_step(kill_after)
+    time.sleep(rng.uniform(0.0, 0.6))
+    first.kill()
+    kills.append(("run", kill_after, first.steps_seen()))
+    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
+    # as if the kill had landed between a step's writes and its checkpoint: that step (already in
+    # Delta, MLflow and steps.jsonl) is run again, and nothing of it may be doubled
+    newest = _checkpointed(run_dir)
+    assert newest >= kill_after - 1, first.output()
+    shutil.rmtree(run_dir / "checkpoints" / f"step-{newest:06d}")
+    mlflow_run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
+
+    second = reflow_process(["resume", str(run_dir)], tmp_path)
+    second.wait_for_step(0)
+    resumed_from = _continues(second)
+    last = second
+    if resumed_from < TOTAL_STEPS:
+        target = resumed_from + rng.choice([0, 1])
+        second.wait_for_step(target)
+        time.sleep(rng.uniform(0.0, 0.4))
+        second.kill()
+        kills.append(("resume", target, second.steps_seen()))
+        last = reflow_process(["run", "--resume", str(run_dir)], tmp_path)
+        last.wait_for_step(0)
+        _continues(last)
+    assert last.finish() == 0, last.output()
+    note = f"seed {seed}, kills {kills}"
+    assert last.steps_seen()[-1] == TOTAL_STEPS, note
+
+    # trajectories: each id once
+    cfg = json.loads((run_dir / "config.json").read_text())
+    per_step = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["samples_per_prompt"]
+    rows = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table()
+    ids = rows["trajectory_id"].to_pylist()
+    assert len(ids) == len(set(ids)), note
+
+    # usage: trainer steps 0..N-1, each once with a whole batch, at the version the step trained from
+    usage = DeltaTable(str(run_dir / "tables/usage")).to_pyarrow_dataset().to_table()
+    assert Counter(usage["trainer_step"].to_pylist()) == {s: per_step for s in range(TOTAL_STEPS)}, note
+    assert dict(zip(usage["trainer_step"].to_pylist(), usage["trainer_version"].to_pylist())) == {
+        s: s for s in range(TOTAL_STEPS)}, note
+    used = usage["trajectory_id"].to_pylist()
+    assert set(used) <= set(ids), note
+    if mode == "sync":  # every round written once, every trajectory trained on exactly once
+        assert len(ids) == TOTAL_STEPS * per_step, note
+        assert Counter(rows["rollout_step"].to_pylist()) == {s: per_step for s in range(TOTAL_STEPS)}, note
+        assert sorted(used) == sorted(ids), note
+        assert set(usage["staleness"].to_pylist()) == {0}, note
+    else:  # async trains each trajectory at most once; the rest stay in the buffer (whole groups)
+        assert len(used) == len(set(used)), note
+        groups = dict(zip(ids, rows["group_id"].to_pylist()))
+        unused_groups = Counter(groups[t] for t in set(ids) - set(used))
+        assert set(unused_groups.values()) <= {cfg["rollout"]["samples_per_prompt"]}, note
+
+    # steps.jsonl and MLflow: the same run, each step's metrics once
+    steps = [json.loads(line)["step"] for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert steps == list(range(TOTAL_STEPS)), note
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    assert json.loads((run_dir / "run.json").read_text())["mlflow_run_id"] == mlflow_run_id
+    runs = client.search_runs([client.get_run(mlflow_run_id).info.experiment_id])
+    assert [r.info.run_id for r in runs] == [mlflow_run_id], note
+    assert client.get_run(mlflow_run_id).info.status == "FINISHED"
+    for key in ("loss", "reward_mean", "policy_version", "step_seconds", "trained_tokens"):
+        history = sorted(m.step for m in client.get_metric_history(mlflow_run_id, key))
+        assert history == list(range(TOTAL_STEPS)), (key, history, note)
+    versions = {m.step: m.value for m in client.get_metric_history(mlflow_run_id, "policy_version")}
+    assert versions == {s: float(s + 1) for s in range(TOTAL_STEPS)}, note
+    assert _checkpointed(run_dir) == TOTAL_STEPS - 1
+    assert (run_dir / "final_model" / "config.json").is_file()
