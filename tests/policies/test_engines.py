@@ -13,7 +13,7 @@ import torch
 from reflow.infra.config import TrainConfig
 from reflow.policies.engines import EngineSettings, GenRequest, TransformersEngine, generate_all
 from reflow.policies.tokenizer import EOS_ID
-from reflow.policies.trainer import TrainSample, Trainer
+from reflow.policies.trainer import Trainer
 
 
 def _settings(model_dir: Path) -> EngineSettings:
