@@ -425,11 +425,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``reflow`` script."""
     args = build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench,
-                "query": _cmd_query, "maintain": _cmd_maintain, "reproduce": _cmd_reproduce}
-
-
-    handlers = {"run": _cmd_run, "resume": _cmd_resume, "serve": _cmd_serve, "config": _cmd_config, "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench}
+    handlers = {"run": _cmd_run, "resume": _cmd_resume, "serve": _cmd_serve, "config": _cmd_config,
+                "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench, "query": _cmd_query,
+                "maintain": _cmd_maintain, "reproduce": _cmd_reproduce}
     handler = _cmd_model_init if args.command == "model" else handlers[args.command]
     try:
         return handler(args)
