@@ -38,7 +38,7 @@ def _checkpointed(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "one_step_off"])
 def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mode: str) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
@@ -98,7 +98,7 @@ def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mo
         assert Counter(rows["rollout_step"].to_pylist()) == {s: per_step for s in range(TOTAL_STEPS)}, note
         assert sorted(used) == sorted(ids), note
         assert set(usage["staleness"].to_pylist()) == {0}, note
-    else:  # async trains each trajectory at most once; the rest stay in the buffer (whole groups)
+    else:  # async, one_step_off: each trajectory trained at most once; the rest stay unused (whole groups)
         assert len(used) == len(set(used)), note
         groups = dict(zip(ids, rows["group_id"].to_pylist()))
         unused_groups = Counter(groups[t] for t in set(ids) - set(used))
