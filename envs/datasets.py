@@ -29,6 +29,8 @@ not in the expected format.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import functools
 import hashlib
 import json
@@ -147,7 +149,7 @@ def holdout_is_eval(row: Row, share: float) -> bool:
     return _hash_int("reflow-holdout/" + row.key) % _HOLDOUT_SCALE < share * _HOLDOUT_SCALE
 
 
-class RowEnv(BatchScoring):
+class RowEnv(BatchScoring, ABC):
     """``Env`` over dataset rows (a file, or the workload's synthetic generator); see the module docstring.
 
     Subclasses set ``name``, implement ``parse_row`` (raw dict -> ``Row``),
@@ -165,11 +167,13 @@ class RowEnv(BatchScoring):
 
     # -- subclass hooks -------------------------------------------------------------------------------------
     @classmethod
+    @abstractmethod
     def parse_row(cls, raw: dict[str, Any], where: str) -> Row:
-        raise NotImplementedError
+        """One raw row (a dict from the file) as a ``Row``; ``DatasetError`` naming ``where`` if malformed."""
 
+    @abstractmethod
     def synthetic_row(self, rng: random.Random) -> dict[str, Any]:
-        raise NotImplementedError
+        """One raw row of the built-in synthetic dataset, drawn from ``rng``."""
 
     # -- Env ------------------------------------------------------------------------------------------------
     def prompts(self, split: Split, start: int, count: int) -> list[Prompt]:
