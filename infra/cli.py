@@ -3,7 +3,7 @@
 Parsing and config validation import nothing heavy, so ``reflow --help`` and
 config errors answer at once; torch, Ray, vLLM and Prefect load only when a
 command needs them. Exit codes: 0 success, 1 the run failed, 2 bad input
-(config, model path, table path), 130 interrupted.
+(config, model path, table path), 130 interrupted (Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from reflow.infra.config import ConfigError, ReflowConfig, load_config
@@ -422,9 +424,25 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, a job scheduler) stop a command like Ctrl-C: same cleanup, exit 130.
+
+    Ray installs its own SIGTERM handler when it starts (it drains the node
+    for up to 30 s, then exits 1 without our cleanup), so ``start_ray`` calls
+    this again afterwards. Only the main thread can install handlers.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``reflow`` script."""
     args = build_parser().parse_args(argv)
+    interrupt_on_sigterm()
     handlers = {"run": _cmd_run, "resume": _cmd_resume, "serve": _cmd_serve, "config": _cmd_config,
                 "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench, "query": _cmd_query,
                 "maintain": _cmd_maintain, "reproduce": _cmd_reproduce}

@@ -76,6 +76,13 @@ class Attempt:
             time.sleep(0.5)
         assert not left, f"processes of the killed run are still alive: {left}"
 
+    def survivors(self, timeout: float = 20) -> list[str]:
+        """Processes of the attempt's session still alive after waiting up to ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while (left := _session_processes(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return left
+
     def finish(self, timeout: float = 300) -> int:
         return self.proc.wait(timeout=timeout)
 

@@ -1,0 +1,27 @@
+"""SIGTERM (``kill``, a job scheduler) and Ctrl-C stop a run cleanly: exit 130, no traceback, nothing left running."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_the_driver_stops_the_run_cleanly(tmp_path: Path, reflow_process, signum: int) -> None:
+    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(tmp_path / "runs"),
+                          "--set", "run.total_steps=50", "--set", 'rollout.engine="transformers"',
+                          "--set", f'model.cache_dir="{tmp_path / "models"}"'], tmp_path)
+    run.wait_for_step(1)
+    run.proc.send_signal(signum)  # the driver only, as `kill PID` does; Ray and Prefect must go with it
+    code = run.finish(timeout=90)
+    assert code == 130, run.output()
+    assert "interrupted" in run.output()
+    assert "Traceback" not in run.output(), run.output()
+    assert max(run.steps_seen()) < 50
+    left = run.survivors()
+    assert not left, f"processes of the stopped run are still alive: {left}"
