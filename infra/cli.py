@@ -133,6 +133,14 @@ def _quiet_environment(verbose: bool) -> None:
         os.environ.setdefault("RAY_LOG_TO_DRIVER_EVENT_LEVEL", "ERROR")
 
 
+def _prefect_api() -> None:
+    """Start the ephemeral Prefect API now (unless PREFECT_API_URL names a server), with a watchdog that
+    stops it if this process is killed before its exit handlers run."""
+    from reflow.infra.prefect_api import start_ephemeral_server
+
+    start_ephemeral_server()
+
+
 def preflight(cfg: ReflowConfig) -> None:
     """Check paths the config names, before anything is created. Raises InputError."""
     if cfg.model.path is not None:
@@ -183,6 +191,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
         raise InputError(f"{run_dir}: unreadable config.json or run.json: {exc}") from None
     _quiet_environment(args.verbose)
     print(f"reflow resume {run_id}: mode={cfg.mode.kind} steps={cfg.run.total_steps}", flush=True)
+    _prefect_api()
     from reflow.flows.rl_train import rl_train
 
     outcome = rl_train(config_json=config_to_json(cfg), run_dir=str(run_dir), run_id=run_id, resume=True)
@@ -221,6 +230,7 @@ def _launch(cfg: ReflowConfig):
     run_dir = str((Path(cfg.run.out_dir) / run_id).resolve())
     print(f"reflow run {run_id}: mode={cfg.mode.kind} engine={cfg.rollout.engine} steps={cfg.run.total_steps} "
           f"prompts/step={cfg.rollout.prompts_per_step} samples/prompt={cfg.rollout.samples_per_prompt}", flush=True)
+    _prefect_api()
     from reflow.flows.rl_train import rl_train
 
     outcome = rl_train(config_json=config_to_json(cfg), run_dir=run_dir, run_id=run_id)
@@ -276,6 +286,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise InputError(f"--out: {str(out)!r} exists and is not a directory")
     _quiet_environment(False)
+    _prefect_api()
     from reflow.flows.bench import bench_flow
 
     bench_flow(config=args.config, overrides=list(args.overrides), modes=modes, seeds=seeds, out=str(out.resolve()),
@@ -338,6 +349,7 @@ def _cmd_maintain(args: argparse.Namespace) -> int:
     if all(v < 0 for v in before.values()):
         raise InputError(f"no reflow tables under {target.store_root}: nothing to maintain")
     _quiet_environment(False)
+    _prefect_api()
     from reflow.flows.maintain import maintain
 
     run_dir = str(target.run_dir) if target.run_dir is not None else None

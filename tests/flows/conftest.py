@@ -16,13 +16,23 @@ from typing import Iterator
 import pytest
 
 
-def _session_processes(sid: int) -> list[str]:
-    """Command lines of live processes in session ``sid`` (the killed driver's: Prefect, Ray, actors)."""
+def _session_pids(sid: int) -> list[int]:
+    """Pids of the processes in session ``sid``."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.getsid(int(pid)) != sid:
-                continue
+            if os.getsid(int(pid)) == sid:
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _session_processes(sid: int) -> list[str]:
+    """Command lines of live processes in session ``sid`` (the killed driver's: Prefect, Ray, actors)."""
+    found = []
+    for pid in _session_pids(sid):
+        try:
             stat = Path(f"/proc/{pid}/stat").read_text()
             if stat.rsplit(")", 1)[1].split()[0] == "Z":
                 continue  # a zombie is already dead
@@ -112,9 +122,26 @@ def ray_tmp() -> Iterator[str]:
 
 
 @pytest.fixture
-def reflow_process(ray_tmp: str):
-    """Start ``python -m reflow.infra.cli ARGS`` in ``cwd`` as an ``Attempt`` (Ray under ``ray_tmp``)."""
-    return lambda args, cwd: Attempt(args, cwd, ray_tmp)
+def reflow_process(ray_tmp: str) -> Iterator:
+    """Start ``python -m reflow.infra.cli ARGS`` in ``cwd`` as an ``Attempt`` (Ray under ``ray_tmp``).
+
+    Afterwards (also when the test failed half-way) whatever is left of each attempt's session is killed.
+    """
+    attempts: list[Attempt] = []
+
+    def start(args: list[str], cwd: Path) -> Attempt:
+        attempts.append(Attempt(args, cwd, ray_tmp))
+        return attempts[-1]
+
+    yield start
+    for attempt in attempts:
+        for pid in _session_pids(attempt.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if attempt.proc.poll() is None:
+            attempt.proc.wait(timeout=30)
 
 
 @pytest.fixture(name="worker_pid")

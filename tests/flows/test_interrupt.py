@@ -25,3 +25,16 @@ def test_signal_to_the_driver_stops_the_run_cleanly(tmp_path: Path, reflow_proce
     assert max(run.steps_seen()) < 50
     left = run.survivors()
     assert not left, f"processes of the stopped run are still alive: {left}"
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_driver_alone_leaves_nothing_running(tmp_path: Path, reflow_process) -> None:
+    """No exit handler runs: Ray's processes and the ephemeral Prefect server must still go (a watchdog stops it)."""
+    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(tmp_path / "runs"),
+                          "--set", "run.total_steps=50", "--set", 'rollout.engine="transformers"',
+                          "--set", f'model.cache_dir="{tmp_path / "models"}"'], tmp_path)
+    run.wait_for_step(1)
+    run.proc.send_signal(signal.SIGKILL)
+    assert run.finish(timeout=30) == -signal.SIGKILL
+    left = run.survivors(timeout=40)
+    assert not left, f"processes of the killed run are still alive: {left}"

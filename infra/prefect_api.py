@@ -1,0 +1,82 @@
+"""The ephemeral Prefect API server of one command, stopped when the command dies however it dies.
+
+Without ``PREFECT_API_URL``, Prefect starts a temporary API server
+(``uvicorn``, a child process) on first use and stops it at exit. A driver
+killed by SIGKILL or the OOM killer never reaches its exit handlers, so the
+server kept running, one more per crash. ``start_ephemeral_server`` starts it
+up front (Prefect's own singleton, which the flows then reuse) together with
+a watchdog process that stops it as soon as the driver is gone, and with it
+the Ray processes the driver left behind in its process group (Ray's
+dashboard and runtime-env agents otherwise wait forever on the dead GCS).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+# Runs as `python -c WATCHDOG DRIVER_PID SERVER_PID`, a child of the driver (so its parent changes when the
+# driver dies). Then it stops the server, and Ray's processes left in the driver's process group: with its
+# driver gone, Ray's dashboard and runtime-env agents wait forever on the dead GCS. SIGTERM, SIGKILL after 5 s.
+WATCHDOG = """
+import os, signal, sys, time
+driver, server = int(sys.argv[1]), int(sys.argv[2])
+group = os.getpgid(0)
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+def ray_processes():
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            if os.getpgid(int(name)) != group:
+                continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if cmd.startswith(b"ray::") or b"/site-packages/ray/" in cmd:
+            found.append(int(name))
+    return found
+while os.getppid() == driver and alive(server):
+    time.sleep(1.0)
+if not alive(server):
+    sys.exit(0)  # stopped by the driver (a normal exit stops it first) or on its own: nothing to clean
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(2.0)  # Ray's GCS and raylet exit by themselves; what is left after that is stuck
+targets = [p for p in [server, *ray_processes()] if alive(p)]
+for pid in targets:
+    os.kill(pid, signal.SIGTERM)
+deadline = time.monotonic() + 5.0
+while any(alive(p) for p in targets) and time.monotonic() < deadline:
+    time.sleep(0.1)
+for pid in targets:
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+"""
+
+
+def start_ephemeral_server() -> int | None:
+    """Start Prefect's ephemeral API server and its watchdog; the server's pid (None with ``PREFECT_API_URL``)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
+        return None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # the instance Prefect's clients use in ephemeral mode
+    server.start()
+    if server.server_process is None:
+        return None
+    pid = server.server_process.pid
+    subprocess.Popen([sys.executable, "-I", "-c", WATCHDOG, str(os.getpid()), str(pid)],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return pid
