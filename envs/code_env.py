@@ -28,12 +28,11 @@ each) when Ray is up, else as threads, so a round's programs run in parallel
 while the engine keeps generating.
 
 Synthetic dataset (``env.data_path`` unset): "reads an integer n and prints
-x = ``a*n+b``" (or ``(a*n+b)%m``) with stdin tests, and "a function f(n) that
-returns x = ..." with call tests (no starter code: the question names the
-function); the reference is the three-line program (``x = <expr>``, then
-print or return ``x``). The expression ends the question and follows the same
-``x = `` there as in the program, so copying it is a short look-back to a
-matching context (what a small model learns first), not a search.
+``a*n+b``" (or ``(a*n+b)%m``) with stdin tests, and "a function f(n) that
+returns ..." with call tests (no starter code: the question names the
+function); the reference is the two-line program. The expression ends the
+question, so the constants the program copies sit 35 to 45 characters before
+they are needed.
 """
 
 from __future__ import annotations
@@ -201,12 +200,12 @@ def synthetic_code_row(rng: random.Random, max_operand: int) -> dict[str, Any]:
     ns = rng.sample(range(0, 31), 3)
     values = [eval(expr, {"n": n}) for n in ns]  # noqa: S307 - our own arithmetic expression
     if rng.random() < 0.5:
-        question = f"Write a program that reads an integer n and prints x = {expr}."
-        program = f"n=int(input())\nx = {expr}\nprint(x)"
+        question = f"Write a program that reads an integer n and prints {expr}."
+        program = f"n=int(input())\nprint({expr})"
         spec: dict[str, Any] = {"inputs": [f"{n}\n" for n in ns], "outputs": [f"{v}\n" for v in values]}
     else:
-        question = f"Write a function f(n) that returns x = {expr}."
-        program = f"def f(n):\n    x = {expr}\n    return x"
+        question = f"Write a function f(n) that returns {expr}."
+        program = f"def f(n):\n    return {expr}"
         spec = {"fn_name": "f", "inputs": [[n] for n in ns], "outputs": values}
     return {"question": question, "input_output": json.dumps(spec), "starter_code": "",
             "solutions": json.dumps([program]), "difficulty": "introductory"}

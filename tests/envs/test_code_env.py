@@ -39,9 +39,9 @@ def test_synthetic_references_pass_and_corrupted_ones_fail_in_order() -> None:
     assert kinds == {None, "f"}  # both stdin and call problems
     refs = [env.reference_solution(p) for p in prompts]
     for prompt, ref in zip(prompts, refs):  # the expression ends the prompt: a short copy into the program
-        match = re.search(r"\n *x = (.*)\n", ref)
+        match = re.search(r"(?:print\((.*)\)|return (.*))\n```$", ref)
         assert match is not None, ref
-        assert prompt.text.endswith(f" x = {match.group(1)}.\n"), (prompt.text, ref)
+        assert prompt.text.endswith(f" {match.group(1) or match.group(2)}.\n"), (prompt.text, ref)
     rng = random.Random(0)
     texts = [r if i % 2 == 0 else CodeEnv.corrupt_reference(r, rng) for i, r in enumerate(refs)]
     scores = env.score_many(prompts, texts)
