@@ -13,8 +13,9 @@ list of programs; the first one is the reference response).
   return value (JSON); the program defines the function or a ``Solution``
   method.
 
-The prompt is one user message: the question, the starter code when there is
-one, and ``INSTRUCTION``. The program is the last fenced code block of the
+The prompt is one user message: ``INSTRUCTION``, the question, and the starter
+code when there is one (instruction first: the problem's own text then ends
+the prompt, right before the response that uses it). The program is the last fenced code block of the
 response (```` ```python ````, ```` ```py ```` or a bare fence; an unclosed
 last fence counts to the end), else the whole response.
 
@@ -28,7 +29,10 @@ while the engine keeps generating.
 
 Synthetic dataset (``env.data_path`` unset): "reads an integer n and prints
 ``a*n+b``" (or ``(a*n+b)%m``) with stdin tests, and "a function f(n) that
-returns ..." with call tests; the reference is the two-line program.
+returns ..." with call tests (no starter code: the question names the
+function); the reference is the two-line program. The expression ends the
+question, so the constants the program copies sit 35 to 45 characters before
+they are needed.
 """
 
 from __future__ import annotations
@@ -159,7 +163,7 @@ class CodeEnv(RowEnv):
         answer = json.dumps({"fn_name": fn_name, "tests": tests}, sort_keys=True)
         question = str(raw["question"]).strip()
         starter = str(raw.get("starter_code") or "").strip()
-        content = question + (f"\n\nStarter code:\n{starter}" if starter else "") + f"\n\n{INSTRUCTION}"
+        content = f"{INSTRUCTION}\n\n{question}" + (f"\n\nStarter code:\n{starter}" if starter else "")
         return Row(messages=(("user", content),), answer=answer, reference=_reference(raw.get("solutions"), where),
                    key=json.dumps([question, starter]))  # hold-out by problem text, not its tests
 
@@ -199,11 +203,9 @@ def synthetic_code_row(rng: random.Random, max_operand: int) -> dict[str, Any]:
         question = f"Write a program that reads an integer n and prints {expr}."
         program = f"n=int(input())\nprint({expr})"
         spec: dict[str, Any] = {"inputs": [f"{n}\n" for n in ns], "outputs": [f"{v}\n" for v in values]}
-        starter = ""
     else:
         question = f"Write a function f(n) that returns {expr}."
         program = f"def f(n):\n    return {expr}"
         spec = {"fn_name": "f", "inputs": [[n] for n in ns], "outputs": values}
-        starter = "def f(n):"
-    return {"question": question, "input_output": json.dumps(spec), "starter_code": starter,
+    return {"question": question, "input_output": json.dumps(spec), "starter_code": "",
             "solutions": json.dumps([program]), "difficulty": "introductory"}

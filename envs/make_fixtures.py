@@ -9,7 +9,9 @@
   LaTeX (``\\frac{7}{3}``) to exercise equivalence;
 - ``code_apps.jsonl`` and ``code_apps.parquet``: APPS rows (``question``,
   ``input_output`` as a JSON string, ``starter_code``, ``solutions``,
-  ``difficulty``), both stdin and ``fn_name`` problems.
+  ``difficulty``), both stdin and ``fn_name`` problems; as in APPS, the
+  ``fn_name`` problems carry starter code (``def f(n):``), which the synthetic
+  CPU dataset leaves out.
 
 The rows come from the synthetic generators with a fixed seed, so rerunning the
 script rewrites the same rows.
@@ -21,6 +23,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 from reflow.envs.code_env import synthetic_code_row
 from reflow.envs.math_env import synthetic_math_row
@@ -37,6 +40,12 @@ def _latex(truth: str) -> str:
     return f"\\frac{{{num}}}{{{den}}}"
 
 
+def _with_starter(row: dict[str, Any]) -> dict[str, Any]:
+    if "fn_name" not in json.loads(row["input_output"]):
+        return row
+    return {**row, "starter_code": "def f(n):"}
+
+
 def write_fixtures(out_dir: Path = FIXTURES) -> list[Path]:
     """Write the four fixture files into ``out_dir``; returns their paths."""
     import pyarrow as pa
@@ -49,7 +58,7 @@ def write_fixtures(out_dir: Path = FIXTURES) -> list[Path]:
             for i, row in enumerate(math_rows)]
     plain = [{"question": row["prompt"][0]["content"], "answer": _latex(row["reward_model"]["ground_truth"])}
              for row in math_rows]
-    code_rows = [synthetic_code_row(rng, 20) for _ in range(ROWS)]
+    code_rows = [_with_starter(synthetic_code_row(rng, 20)) for _ in range(ROWS)]
     paths = [out_dir / "math_dapo.parquet", out_dir / "math_plain.jsonl", out_dir / "code_apps.jsonl",
              out_dir / "code_apps.parquet"]
     pq.write_table(pa.Table.from_pylist(dapo), paths[0])

@@ -245,7 +245,7 @@ def _cmd_model_init(args: argparse.Namespace) -> int:
     _quiet_environment(False)
     from reflow.policies.tiny import ensure_tiny_model
 
-    print(ensure_tiny_model(cfg.model, cfg.env, cfg.run.seed))
+    print(ensure_tiny_model(cfg.model, cfg.env, cfg.run.seed, threads=cfg.resources.torch_threads))
     return 0
 
 

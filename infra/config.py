@@ -251,7 +251,8 @@ class ResourcesConfig(_Section):
     trainer_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per trainer actor.")
     engine_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per engine actor.")
     trainer_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per trainer actor.")
-    torch_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads per actor.")
+    torch_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads per actor and of the tiny "
+                                                            "model's warm start (1 on a busy machine).")
     max_actor_restarts: int = Field(3, ge=0, le=1000, description="Times Ray restarts an engine or trainer "
                                     "actor whose process died (its calls in flight are re-issued); 0: a dead "
                                     "actor fails the run.")

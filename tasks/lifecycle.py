@@ -38,7 +38,8 @@ def resolve_model_dir(cfg: ReflowConfig, progress=print) -> str:
         return str(Path(cfg.model.path).resolve())
     from reflow.policies.tiny import ensure_tiny_model
 
-    return str(ensure_tiny_model(cfg.model, cfg.env, cfg.run.seed, progress=progress).resolve())
+    return str(ensure_tiny_model(cfg.model, cfg.env, cfg.run.seed, progress=progress,
+                                 threads=cfg.resources.torch_threads).resolve())
 
 
 def _engine_settings(cfg: ReflowConfig, model_dir: str) -> EngineSettings:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from reflow.envs.base import make_env
-from reflow.envs.code_env import CodeEnv, extract_program
+from reflow.envs.code_env import INSTRUCTION, CodeEnv, extract_program
 from reflow.envs.datasets import DatasetError
 from reflow.infra.config import EnvConfig
 
@@ -37,6 +38,10 @@ def test_synthetic_references_pass_and_corrupted_ones_fail_in_order() -> None:
     kinds = {json.loads(p.answer)["fn_name"] for p in prompts}
     assert kinds == {None, "f"}  # both stdin and call problems
     refs = [env.reference_solution(p) for p in prompts]
+    for prompt, ref in zip(prompts, refs):  # the expression ends the prompt: a short copy into the program
+        match = re.search(r"(?:print\((.*)\)|return (.*))\n```$", ref)
+        assert match is not None, ref
+        assert prompt.text.endswith(f" {match.group(1) or match.group(2)}.\n"), (prompt.text, ref)
     rng = random.Random(0)
     texts = [r if i % 2 == 0 else CodeEnv.corrupt_reference(r, rng) for i, r in enumerate(refs)]
     scores = env.score_many(prompts, texts)
@@ -68,9 +73,12 @@ def test_jsonl_and_parquet_fixtures_load_the_same_problems() -> None:
     for name in ("code_apps.jsonl", "code_apps.parquet"):
         env = _env(data_path=str(FIXTURES / name), eval_holdout_share=0.0)
         prompts = env.prompts("train", 0, 12)
-        assert {p.text.split("\n")[0] for p in prompts} == {r["question"] for r in rows}
+        assert all(p.text.startswith(INSTRUCTION + "\n\n") for p in prompts)
+        questions = [p.text.split("\n")[2] for p in prompts]  # instruction, blank line, question
+        assert set(questions) == {r["question"] for r in rows}
+        assert any("Starter code:\ndef f(n):" in p.text for p in prompts)
         programs = {r["question"]: json.loads(r["solutions"])[0] for r in rows}
-        texts = [f"```python\n{programs[p.text.split(chr(10))[0]]}\n```" for p in prompts]
+        texts = [f"```python\n{programs[q]}\n```" for q in questions]
         assert all(s.correct for s in env.score_many(prompts, texts))
         assert all(s.correct for s in env.score_many(prompts, [env.reference_solution(p) for p in prompts]))
 
@@ -82,7 +90,7 @@ def test_apps_starter_code_and_line_list_outputs(tmp_path: Path) -> None:
     path.write_text(json.dumps(row) + "\n")
     env = _env(data_path=str(path), eval_holdout_share=0.0)
     (prompt,) = env.prompts("train", 0, 1)
-    assert "Starter code:\nimport sys" in prompt.text and prompt.text.endswith("```python block.\n")
+    assert prompt.text == f"{INSTRUCTION}\n\nSum each line.\n\nStarter code:\nimport sys\n"
     with pytest.raises(ValueError, match="no reference solution"):  # no 'solutions' column
         env.reference_solution(prompt)
     program = "import sys\nfor line in sys.stdin:\n    a, b = map(int, line.split())\n    print(a + b)"

@@ -142,6 +142,17 @@ def test_arith_cache_keys_ignore_the_fields_of_other_workloads() -> None:
     assert tiny_model_key(SMALL, EnvConfig(kind="math"), 0) != tiny_model_key(SMALL, EnvConfig(kind="code"), 0)
 
 
+def test_cache_key_follows_the_warm_start_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reflow.envs import code_env
+
+    code = EnvConfig(kind="code")
+    before = tiny_model_key(SMALL, code, 0)
+    monkeypatch.setattr(code_env, "INSTRUCTION", "Answer in Python.")  # same configs, other prompts
+    assert tiny_model_key(SMALL, code, 0) != before
+    monkeypatch.undo()
+    assert tiny_model_key(SMALL, code, 0) == before
+
+
 def test_noisy_reference_uses_the_env_hook() -> None:
     from reflow.envs.math_env import MathEnv
 
