@@ -21,23 +21,26 @@ One round per trainer step:
    call to the engine: no round trip per window, no step after the
    threshold is met.
 4. **Stateful cache.** ``partial``: every unfinished sample (and the finished
-   samples of its group) stays in the cache and resumes next round.
+   samples of its group) stays in the cache and resumes next round, first in
+   the queue, so it always progresses and no round waits for it.
    ``on_policy``: incomplete groups are dropped (no off-policy token is ever
    trained) and their prompts re-queued first in line; a prompt aborted
    ``max_aborts`` times is *pinned*: the next round does not end before it
-   completes, so no prompt is lost.
+   completes, so no prompt is lost (on-policy work restarts from nothing, so
+   without the pin a long prompt could be aborted every round).
 5. **Length-sorted batches.** Complete groups are ordered by mean response
-   length, shortest first (the micro-curriculum). ``partial``: the
-   ``groups_per_step`` shortest train now, the rest wait, finished, in the
-   cache. ``on_policy``: every complete group trains now (a batch can exceed
-   ``groups_per_step`` by the groups that finished in the last step), so
+   length, shortest first (the micro-curriculum). ``partial``: one step's
+   worth trains now, groups that waited ``max_aborts`` rounds first, then
+   the shortest; the rest wait, finished, in the cache (a round the cache
+   already fills generates nothing). ``on_policy``: every complete group
+   trains now (a batch can exceed ``groups_per_step``), so
    staleness is always 0. A group is trainable when all its samples are
    finished.
 
 The rollout bubble ratio of a round is ``1 - busy_slot_seconds / (slots *
 round_seconds)``: the share of engine slot-time with nothing to decode while
 the round is open (``slots`` = sequences the engine can decode at once,
-capped by the requests in the round). A round is open, as a plain round is,
+capped by the requests in the queue). A round is open, as a plain round is,
 from the engine receiving its requests to the engine having aborted the
 rest (``RoundRun.seconds``); the scheduler's own clock around the call
 (``RoundStats.wall_seconds``) adds the transfer of requests and results.
