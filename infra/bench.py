@@ -44,7 +44,8 @@ class ModeResult:
     generator_idle: float
     staleness_mean: float
     replay_share: float
-    bubble_ratio: float | None  # rounds' idle engine slot-time share (None: a streaming mode, no rounds)
+    bubble_ratio: float | None  # rounds' idle engine slot-time share, mean over rounds that generated
+    # (None: a streaming mode, no rounds)
     eval_curve: list[tuple[float, float]]  # (seconds, held-out accuracy)
 
 
@@ -78,6 +79,9 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None) -
                    r.metrics.get("generated_tokens", 0.0) / max(r.metrics.get("engine_tokens_per_s", 0.0), 1e-9)
                    for r in steps)
     trained = sum(r.metrics.get("trained_tokens", 0.0) for r in steps)
+    # the bubble is a share of the time a round was open: steps whose batch the rollout cache already held
+    # opened no round (nothing generated) and do not enter its mean
+    ran = [r for r in steps if r.metrics.get("generated_tokens", 0.0) > 0]
     return ModeResult(
         mode=mode, seed=seed, run_dir=str(run_dir), steps=len(steps), wall_s=wall, baseline_accuracy=curve[0][1],
         final_accuracy=curve[-1][1], target_accuracy=target,
@@ -86,7 +90,7 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None) -
         trained_tokens_per_s=trained / max(wall, 1e-9),
         trainer_idle=_mean(steps, "trainer_idle_fraction"), generator_idle=_mean(steps, "generator_idle_fraction"),
         staleness_mean=_mean(steps, "staleness_mean"), replay_share=_mean(steps, "replay_share"),
-        bubble_ratio=_mean(steps, "rollout_bubble_ratio") if any("rollout_bubble_ratio" in r.metrics for r in steps)
+        bubble_ratio=_mean(ran, "rollout_bubble_ratio") if any("rollout_bubble_ratio" in r.metrics for r in steps)
         else None, eval_curve=curve)
 
 

@@ -153,15 +153,17 @@ class RolloutConfig(_Section):
         "trains the shortest groups first and drops unfinished ones (prompts re-queued); 'sorted_partial' keeps "
         "unfinished responses in the rollout cache and resumes them next round, each token keeping its own "
         "log-prob and version. The streaming modes always resume partial responses across updates.")
-    oversubscription: float = Field(2.0, ge=1.0, le=16.0, description="Sorted rounds: groups in flight per round "
-                                    "as a multiple of prompts_per_step (cached ones included).")
+    oversubscription: float = Field(4.0, ge=1.0, le=16.0, description="Sorted rounds: groups open at once (cached "
+                                    "ones included) as a multiple of prompts_per_step; their requests queue, cached "
+                                    "work first, and start as engine slots free, so unused ones cost nothing.")
     early_stop: Literal["groups", "tokens"] = Field(
         "groups", description="Sorted rounds end when prompts_per_step groups are complete ('groups') or when "
         "round_tokens tokens were generated with at least one group complete ('tokens').")
     round_tokens: int = Field(0, ge=0, le=100_000_000, description="Sorted rounds with early_stop='tokens': "
                               "tokens per round.")
-    max_aborts: int = Field(2, ge=1, le=100, description="Sorted rounds: a prompt left incomplete this many "
-                            "rounds is pinned (the next round waits for it), so no prompt starves.")
+    max_aborts: int = Field(2, ge=1, le=100, description="Sorted rounds: sorted_on_policy pins a prompt left "
+                            "incomplete this many rounds (the next round waits for it); sorted_partial trains a "
+                            "complete group that waited this many rounds before shorter ones. No prompt starves.")
     enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts in seconds; for tiny "
                                                      "models on CPU eager decoding was as fast as compiled).")
 

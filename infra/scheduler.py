@@ -2,35 +2,48 @@
 
 One round per trainer step:
 
-1. **Cache-aware loading.** The round first resumes every cached partial
-   response (prompt + tokens so far, each token keeping its log-prob and
-   version) and restarts the unfinished samples of cached groups; new prompts
-   (the next positions of the prompt stream) fill the rest of the round, so
-   no new prompt enters while cached work waits and nothing starves.
-2. **Oversubscription.** The round holds ``ceil(oversubscription *
-   groups_per_step)`` groups, so the engine runs at a large batch.
-3. **Early termination.** The engine is stepped in short windows until
-   ``groups_per_step`` groups are complete (``early_stop = "groups"``) or
-   ``round_tokens`` tokens were generated with at least one group complete
-   (``"tokens"``); whatever is still running is aborted.
+1. **Cache-aware loading.** The round's queue starts with every cached
+   partial response (prompt + tokens so far, each token keeping its log-prob
+   and version) and the unfinished samples of cached groups; new prompts
+   (the next positions of the prompt stream) come after them, so no new
+   prompt starts while cached work waits and nothing starves.
+2. **Oversubscription.** The queue holds at least ``ceil(oversubscription
+   * groups_per_step) * samples_per_group`` requests, and the engine takes
+   from its front into every slot that comes free, so it runs full until
+   the round ends. Counting requests, not groups, matters in partial mode:
+   cached groups miss only a few samples each. A new prompt is loaded (its
+   stream position consumed) only when one of its samples starts.
+3. **Early termination.** The engine steps until ``groups_per_step`` groups
+   are complete (``early_stop = "groups"``) or ``round_tokens`` tokens were
+   generated with at least one group complete (``"tokens"``); whatever is
+   still running is aborted. The threshold (``RoundGoal``) travels with the
+   requests and the engine checks it after every step, so a round is one
+   call to the engine: no round trip per window, no step after the
+   threshold is met.
 4. **Stateful cache.** ``partial``: every unfinished sample (and the finished
-   samples of its group) stays in the cache and resumes next round.
+   samples of its group) stays in the cache and resumes next round, first in
+   the queue, so it always progresses and no round waits for it.
    ``on_policy``: incomplete groups are dropped (no off-policy token is ever
    trained) and their prompts re-queued first in line; a prompt aborted
    ``max_aborts`` times is *pinned*: the next round does not end before it
-   completes, so no prompt is lost.
+   completes, so no prompt is lost (on-policy work restarts from nothing, so
+   without the pin a long prompt could be aborted every round).
 5. **Length-sorted batches.** Complete groups are ordered by mean response
-   length, shortest first (the micro-curriculum). ``partial``: the
-   ``groups_per_step`` shortest train now, the rest wait, finished, in the
-   cache. ``on_policy``: every complete group trains now (a batch can exceed
-   ``groups_per_step`` by the groups that finished in the last window), so
+   length, shortest first (the micro-curriculum). ``partial``: one step's
+   worth trains now, groups that waited ``max_aborts`` rounds first, then
+   the shortest; the rest wait, finished, in the cache (a round the cache
+   already fills generates nothing). ``on_policy``: every complete group
+   trains now (a batch can exceed ``groups_per_step``), so
    staleness is always 0. A group is trainable when all its samples are
    finished.
 
 The rollout bubble ratio of a round is ``1 - busy_slot_seconds / (slots *
 round_seconds)``: the share of engine slot-time with nothing to decode while
 the round is open (``slots`` = sequences the engine can decode at once,
-capped by the requests in the round).
+capped by the requests in the queue). A round is open, as a plain round is,
+from the engine receiving its requests to the engine having aborted the
+rest (``RoundRun.seconds``); the scheduler's own clock around the call
+(``RoundStats.wall_seconds``) adds the transfer of requests and results.
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, Sequence
 
 from reflow.infra.clock import Clock
-from reflow.policies.engines import GenRequest, GenResult
+from reflow.policies.engines import GenRequest, GenResult, RoundRun
 from reflow.storage.schema import CachedSample
 
 Mode = Literal["on_policy", "partial"]
@@ -54,12 +67,13 @@ class GroupState:
     group: int
     finished: dict[int, GenResult] = field(default_factory=dict)  # sample index -> finished result
     partial: dict[int, GenResult] = field(default_factory=dict)  # sample index -> aborted, tokens so far
-    aborts: int = 0  # rounds that ended with this group incomplete
+    aborts: int = 0  # rounds that ended with this group in the cache (incomplete, or complete and waiting)
 
 
 @dataclass(frozen=True)
 class RoundStats:
-    seconds: float
+    seconds: float  # the engine's, from receiving the round to having aborted its rest (RoundRun.seconds)
+    wall_seconds: float  # the scheduler's, around the engine call (adds the transfer of requests and results)
     generated_tokens: int  # tokens sampled in this round (resumed prefixes excluded)
     busy_slot_seconds: float
     slots: int
@@ -71,7 +85,9 @@ class RoundStats:
     @property
     def bubble_ratio(self) -> float:
         capacity = self.slots * self.seconds
-        return max(0.0, 1.0 - self.busy_slot_seconds / capacity) if capacity > 0 else 0.0
+        if not self.requests or capacity <= 0:  # nothing was generated: the cache already held the batch
+            return 0.0
+        return max(0.0, 1.0 - self.busy_slot_seconds / capacity)
 
 
 @dataclass(frozen=True)
@@ -80,19 +96,47 @@ class RoundResult:
     stats: RoundStats
 
 
+class RoundGoal:
+    """The threshold of one round, checked by the engine after every step (it travels to the engine actor).
+
+    Built from the scheduler's state when the round starts: per group of the
+    round, the samples it still misses; the groups already complete (partial
+    mode keeps finished groups waiting); the pinned groups the round must
+    not end without; and, for ``early_stop = "tokens"``, the resumed prefix
+    of each resumed request (its tokens were generated in earlier rounds).
+    """
+
+    def __init__(self, missing: dict[int, int], complete: int, groups_needed: int, pinned: set[int],
+                 early_stop: Literal["groups", "tokens"], round_tokens: int, prefix: dict[str, int]) -> None:
+        self.missing, self.complete, self.groups_needed = dict(missing), complete, groups_needed
+        self.pinned = {g for g in pinned if self.missing.get(g, 0) > 0}
+        self.early_stop, self.round_tokens, self.prefix = early_stop, round_tokens, prefix
+        self.generated = 0  # tokens of finished samples sampled in this round
+
+    def observe(self, result: GenResult) -> None:
+        g = int(result.request_id.split("/", 1)[0].removeprefix("g"))
+        self.generated += len(result.response_tokens) - self.prefix.get(result.request_id, 0)
+        self.missing[g] -= 1
+        if self.missing[g] == 0:
+            self.complete += 1
+            self.pinned.discard(g)
+
+    def met(self) -> bool:
+        if self.pinned:
+            return False
+        if self.early_stop == "tokens":
+            return self.generated >= self.round_tokens and self.complete > 0
+        return self.complete >= self.groups_needed
+
+
 class RoundEngine(Protocol):
     """What a round needs from the engine (an actor adapter or an in-process fake)."""
 
     max_sequences: int
 
-    def submit(self, requests: Sequence[GenRequest]) -> None: ...
-
-    def drain(self, window_s: float) -> tuple[list[GenResult], float]:
-        """Step for about ``window_s``; (finished results, busy slot-seconds)."""
-        ...
-
-    def abort_all(self) -> tuple[list[GenResult], list[GenResult], float]:
-        """Stop the round: (results that finished meanwhile, aborted partial results, their busy slot-seconds)."""
+    def run_round(self, queue: Sequence[GenRequest], goal: RoundGoal) -> RoundRun:
+        """Generate from the front of ``queue``, engine full, until ``goal.met()``; abort the rest
+        (``policies.engines.run_round``)."""
         ...
 
 
@@ -101,98 +145,107 @@ class SortedScheduler:
 
     def __init__(self, groups_per_step: int, samples_per_group: int, oversubscription: float, mode: Mode,
                  make_request: Callable[[int, int, GenResult | None], GenRequest], clock: Clock,
-                 early_stop: Literal["groups", "tokens"] = "groups", round_tokens: int = 0, max_aborts: int = 2,
-                 window_s: float = 0.05) -> None:
+                 early_stop: Literal["groups", "tokens"] = "groups", round_tokens: int = 0,
+                 max_aborts: int = 2) -> None:
         if mode not in ("on_policy", "partial"):
             raise ValueError(f"mode must be 'on_policy' or 'partial', got {mode!r}")
         self.groups_per_step, self.samples = groups_per_step, samples_per_group
+        # groups open at once (cached ones included): bounds how far generation runs ahead of training
         self.round_groups = max(groups_per_step, math.ceil(oversubscription * groups_per_step))
         self.mode, self.make_request, self.clock = mode, make_request, clock
-        self.early_stop, self.round_tokens, self.max_aborts, self.window_s = early_stop, round_tokens, max_aborts, window_s
+        self.early_stop, self.round_tokens, self.max_aborts = early_stop, round_tokens, max_aborts
         self.groups: dict[int, GroupState] = {}  # the cache, by stream position
         self.next_group = 0  # first prompt position never loaded
 
-    def plan(self) -> list[GenRequest]:
-        """The round's requests: cached work first (resumed partials, restarted samples), then new prompts."""
-        requests = []
+    def plan(self) -> tuple[list[GenRequest], list[int]]:
+        """The round's queue and the new stream positions in it (in queue order).
+
+        Cached work first (resumed partials, restarted samples), then the next
+        prompts of the stream until ``round_groups`` groups are open. A new
+        prompt is loaded only once the engine starts one of its samples
+        (``run_round``), so planning changes nothing.
+        """
+        queue = []
         for g in sorted(self.groups):
             st = self.groups[g]
             for k in range(self.samples):
                 if k in st.finished:
                     continue
                 resume = st.partial.get(k)
-                requests.append(self.make_request(g, k, resume if resume and resume.response_tokens else None))
-        while len(self.groups) < self.round_groups:
-            g = self.next_group
-            self.next_group += 1
-            self.groups[g] = GroupState(g)
-            requests += [self.make_request(g, k, None) for k in range(self.samples)]
-        return requests
+                queue.append(self.make_request(g, k, resume if resume and resume.response_tokens else None))
+        new = []
+        while len(self.groups) + len(new) < self.round_groups:
+            g = self.next_group + len(new)
+            new.append(g)
+            queue += [self.make_request(g, k, None) for k in range(self.samples)]
+        return queue, new
 
-    def _complete(self) -> list[int]:
-        return [g for g, st in self.groups.items() if len(st.finished) == self.samples]
-
-    def _done(self, generated: int) -> bool:
-        complete = set(self._complete())
-        pinned = {g for g, st in self.groups.items() if st.aborts >= self.max_aborts}
-        if not pinned <= complete:
-            return False
-        if self.early_stop == "tokens":
-            return generated >= self.round_tokens and bool(complete)
-        return len(complete) >= self.groups_per_step
+    def _goal(self, queue: Sequence[GenRequest], new: Sequence[int]) -> RoundGoal:
+        missing = {g: self.samples - len(st.finished) for g, st in self.groups.items()}
+        missing.update((g, self.samples) for g in new)
+        # on_policy only: an aborted on-policy sample starts over, so a long prompt could lose every round;
+        # a partial one resumes where it stopped and is first in the next queue, so it always progresses
+        pinned = ({g for g, st in self.groups.items() if st.aborts >= self.max_aborts}
+                  if self.mode == "on_policy" else set())
+        prefix = {r.request_id: len(r.resume_tokens) for r in queue if r.resume_tokens}
+        return RoundGoal(missing, complete=sum(1 for m in missing.values() if m == 0),
+                         groups_needed=self.groups_per_step, pinned=pinned, early_stop=self.early_stop,
+                         round_tokens=self.round_tokens, prefix=prefix)
 
     def run_round(self, engine: RoundEngine) -> RoundResult:
-        """Load, generate until the threshold, abort the rest, hand out the shortest complete groups."""
-        requests = self.plan()
-        prefix = {r.request_id: len(r.resume_tokens) for r in requests}
-        ids = {r.request_id: (g, k) for g, k, r in ((*self._key(r), r) for r in requests)}
+        """Generate from the planned queue until the threshold, abort the rest, hand out the shortest complete groups."""
+        queue, new = self.plan()
+        ids = {r.request_id: self._key(r) for r in queue}
         start = self.clock.now()
-        engine.submit(requests)
-        generated, busy, running = 0, 0.0, len(requests)
-        while running and not self._done(generated):
-            finished, slot_s = engine.drain(self.window_s)
-            busy += slot_s
-            for res in finished:
-                g, k = ids[res.request_id]
-                self.groups[g].finished[k] = res
-                self.groups[g].partial.pop(k, None)
-                generated += len(res.response_tokens) - prefix[res.request_id]
-                running -= 1
-        late, aborted, slot_s = engine.abort_all()
-        busy += slot_s
-        for res in late:  # finished in a window already under way when the round ended
+        run = engine.run_round(queue, self._goal(queue, new))
+        wall = self.clock.now() - start
+        started = queue[: run.started]
+        for g in sorted({ids[r.request_id][0] for r in started} & set(new)):  # a prefix of ``new``
+            self.groups[g] = GroupState(g)
+            self.next_group = g + 1
+        prefix = {r.request_id: len(r.resume_tokens) for r in started}
+        generated = 0
+        for res in run.finished:
             g, k = ids[res.request_id]
             self.groups[g].finished[k] = res
             self.groups[g].partial.pop(k, None)
             generated += len(res.response_tokens) - prefix[res.request_id]
-        for res in aborted:
+        for res in run.aborted:
             g, k = ids[res.request_id]
             generated += len(res.response_tokens) - prefix[res.request_id]
             self.groups[g].partial[k] = res
-        seconds = self.clock.now() - start
         trainable = self._harvest()
-        stats = RoundStats(seconds=seconds, generated_tokens=generated, busy_slot_seconds=busy,
-                           slots=min(len(requests), engine.max_sequences), requests=len(requests),
-                           resumed=sum(1 for r in requests if r.resume_tokens), aborted=len(aborted),
+        stats = RoundStats(seconds=run.seconds, wall_seconds=wall, generated_tokens=generated,
+                           busy_slot_seconds=run.busy_slot_seconds,
+                           slots=min(len(queue), engine.max_sequences), requests=len(started),
+                           resumed=sum(1 for r in started if r.resume_tokens), aborted=len(run.aborted),
                            cached_groups=len(self.groups))
         return RoundResult(trainable=trainable, stats=stats)
 
+    def _complete(self) -> list[int]:
+        return [g for g, st in self.groups.items() if len(st.finished) == self.samples]
+
     def _harvest(self) -> dict[int, list[GenResult]]:
-        """The shortest complete groups (up to one step's worth); incomplete ones per ``mode``."""
+        """The complete groups to train now, shortest first; the rest per ``mode``.
+
+        on_policy: every complete group, so no sample is ever trained by
+        weights newer than the ones that sampled it. partial: one step's
+        worth; groups that waited ``max_aborts`` rounds go first, then the
+        shortest, so a long group is never starved by shorter ones finishing
+        after it; the rest wait, finished, in the cache.
+        """
         def mean_length(g: int) -> float:
             return sum(len(r.response_tokens) for r in self.groups[g].finished.values()) / self.samples
 
-        complete = sorted(self._complete(), key=lambda g: (mean_length(g), g))
-        # partial: one step's worth now, the rest waits (finished) in the cache; on_policy: every complete
-        # group trains now, so no sample is ever trained by weights newer than the ones that sampled it.
-        now = complete if self.mode == "on_policy" else complete[: self.groups_per_step]
+        complete = self._complete()
+        if self.mode == "partial":
+            overdue = lambda g: self.groups[g].aborts < self.max_aborts  # noqa: E731 (False sorts first)
+            complete = sorted(complete, key=lambda g: (overdue(g), mean_length(g), g))[: self.groups_per_step]
         taken = {}
-        for g in now:
+        for g in sorted(complete, key=lambda g: (mean_length(g), g)):
             finished = self.groups.pop(g).finished
             taken[g] = [finished[k] for k in range(self.samples)]
         for st in self.groups.values():
-            if len(st.finished) == self.samples:
-                continue
             st.aborts += 1
             if self.mode == "on_policy":  # nothing off-policy is kept: the prompt starts over
                 st.finished.clear()

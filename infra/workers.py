@@ -103,6 +103,17 @@ class EngineWorker:
         return Drain(results=results, seconds=time.perf_counter() - start, in_flight=self.engine.num_unfinished(),
                      busy_slot_seconds=meter.busy_slot_seconds, incarnation=self._incarnation)
 
+    def run_round(self, queue: Sequence[Any], rule: Any) -> Any:
+        """One length-aware round in one call (``policies.engines.run_round``): a ``RoundRun``.
+
+        The engine stays full from ``queue`` until ``rule`` is met, then the
+        rest is aborted. Nothing of a round outlives the call, so Ray's retry
+        of it on a restarted actor simply runs the round again.
+        """
+        from reflow.policies.engines import run_round
+
+        return run_round(self.engine, queue, rule, self.max_sequences)
+
     def abort(self, request_ids: Sequence[str] | None = None) -> list[Any]:
         """Abort the named requests (all in flight when None); their partial results."""
         return self.engine.abort(self.engine.pending_ids() if request_ids is None else request_ids)

@@ -7,6 +7,8 @@ run), so its cached partial responses survive a crash.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,53 +17,26 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from reflow.infra.clock import SystemClock
-from reflow.infra.scheduler import SortedScheduler
+from reflow.infra.scheduler import RoundGoal, SortedScheduler
 from reflow.infra.workers import actor
-from reflow.policies.engines import GenRequest, GenResult
+from reflow.policies.engines import GenRequest, GenResult, RoundRun
 from reflow.storage.delta_store import ROLLOUT_CACHE
 from reflow.storage.sampler import _quote
 from reflow.storage.schema import CachedSample
 from reflow.tasks.context import TaskContext, context, mark_origin
 from reflow.tasks.rollout import ScoreSummary, _records, _requests, summary_of_written, written_before
-from reflow.tasks.stream import PendingRequests
 
 _SCHEDULERS: dict[str, SortedScheduler] = {}
 
 
 class RayRoundEngine:
-    """``RoundEngine`` over the run's engine actor.
-
-    One drain call is always queued on the actor, so the engine keeps
-    stepping while the scheduler looks at the previous window's results
-    (no idle gap per window); ending the round collects that last window.
-    """
+    """``RoundEngine`` over the run's engine actor: the whole round is one actor call (``EngineWorker.run_round``)."""
 
     def __init__(self, handle: Any, max_sequences: int) -> None:
         self.handle, self.max_sequences = handle, max_sequences
-        self.pending = PendingRequests(handle)
-        self._queued: Any = None
-        self._window = 0.05
 
-    def submit(self, requests: Sequence[GenRequest]) -> None:
-        self.pending.submit(requests)
-
-    def drain(self, window_s: float) -> tuple[list[GenResult], float]:
-        self._window = window_s
-        if self._queued is None:
-            self._queued = self.handle.drain.remote(window_s)
-        drain = self.pending.drained(ray.get(self._queued))
-        self._queued = self.handle.drain.remote(window_s)
-        return drain.results, drain.busy_slot_seconds
-
-    def abort_all(self) -> tuple[list[GenResult], list[GenResult], float]:
-        late, slot_s = [], 0.0
-        if self._queued is not None:
-            drain = self.pending.drained(ray.get(self._queued))
-            self._queued = None
-            late, slot_s = drain.results, drain.busy_slot_seconds
-        aborted = ray.get(self.handle.abort.remote())
-        self.pending.requests.clear()  # the round is over: nothing of it is in the engine any more
-        return late, aborted, slot_s
+    def run_round(self, requests: Sequence[GenRequest], goal: RoundGoal) -> RoundRun:
+        return ray.get(self.handle.run_round.remote(list(requests), goal))
 
 
 def _scheduler(ctx: TaskContext, run_dir: str) -> SortedScheduler:
@@ -70,9 +45,12 @@ def _scheduler(ctx: TaskContext, run_dir: str) -> SortedScheduler:
         return sched
     r = ctx.cfg.rollout
 
+    @functools.lru_cache(maxsize=4 * math.ceil(r.oversubscription * r.prompts_per_step))
+    def group_requests(g: int) -> list[GenRequest]:  # a group's prompt is tokenized once, not once per sample
+        return _requests(ctx, ctx.env.prompts("train", start=g, count=1), r.samples_per_prompt, f"g{g}")
+
     def make_request(g: int, k: int, resume: GenResult | None) -> GenRequest:
-        prompt = ctx.env.prompts("train", start=g, count=1)
-        (request,) = [q for q in _requests(ctx, prompt, r.samples_per_prompt, f"g{g}") if q.request_id.endswith(f"/{k}")]
+        request = group_requests(g)[k]
         if resume is None:
             return request
         return GenRequest(request.request_id, request.prompt_tokens, request.max_tokens, resume.response_tokens,

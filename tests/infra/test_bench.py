@@ -74,3 +74,15 @@ def test_summarise_rejects_runs_without_steps_or_evals(tmp_path: Path) -> None:
     append_step(run_dir, StepRecord(step=0, policy_version=1, elapsed_s=1.0, metrics={}))
     with pytest.raises(RuntimeError, match="no held-out"):
         bench.summarise("sync", 0, run_dir, None)
+
+
+def test_the_bubble_is_averaged_over_rounds_that_opened(tmp_path: Path) -> None:
+    """A sorted step whose batch the rollout cache held opened no round: it does not dilute the bubble's mean."""
+    run_dir = tmp_path / "p"
+    run_dir.mkdir()
+    for step, (tokens, bubble) in enumerate([(100.0, 0.10), (0.0, 0.0), (100.0, 0.04), (100.0, 0.07)]):
+        m = {"eval_accuracy_baseline": 0.2, "generated_tokens": tokens, "rollout_bubble_ratio": bubble,
+             **({"eval_accuracy": 0.3} if step == 3 else {})}
+        append_step(run_dir, StepRecord(step=step, policy_version=step + 1, elapsed_s=step + 1.0, metrics=m))
+    assert bench.summarise("sorted_partial", 0, run_dir, None).bubble_ratio == pytest.approx(0.07)
+    assert bench.summarise("async", 0, _run(tmp_path, "a", {5: 0.3}, 1.0, {}), None).bubble_ratio is None

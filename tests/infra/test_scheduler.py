@@ -10,7 +10,7 @@ import pytest
 
 from reflow.infra.clock import VirtualClock
 from reflow.infra.scheduler import SortedScheduler
-from reflow.policies.engines import GenRequest, GenResult
+from reflow.policies.engines import GenRequest, GenResult, RoundRun
 from reflow.storage.delta_store import DeltaTrajectoryStore
 
 
@@ -20,6 +20,7 @@ class FakeEngine:
     def __init__(self, clock: VirtualClock, target: dict[int, int], max_sequences: int = 64,
                  per_window: int = 4) -> None:
         self.clock, self.target, self.max_sequences, self.per_window = clock, target, max_sequences, per_window
+        self.window_s = 0.05
         self.version = 0
         self.running: dict[str, tuple[GenRequest, list[int], list[int]]] = {}  # id -> (request, tokens, versions)
         self.submitted: list[GenRequest] = []
@@ -46,10 +47,24 @@ class FakeEngine:
                     break
         return done, busy
 
-    def abort_all(self):
-        out = [self._result(req, tokens, versions, "abort") for req, tokens, versions in self.running.values()]
+    def run_round(self, queue, goal) -> RoundRun:
+        """Windows of ``window_s``, topped up from ``queue`` to ``max_sequences``, until the goal is met."""
+        start, finished, busy, windows, started = self.clock.now(), [], 0.0, 0, 0
+        while not goal.met():
+            free = self.max_sequences - len(self.running)
+            self.submit(queue[started:started + max(free, 0)])
+            started = min(len(queue), started + max(free, 0))
+            if not self.running:
+                break
+            done, slot_s = self.drain(self.window_s)
+            busy += slot_s
+            windows += 1
+            for res in done:
+                goal.observe(res)
+                finished.append(res)
+        aborted = [self._result(req, tokens, versions, "abort") for req, tokens, versions in self.running.values()]
         self.running.clear()
-        return [], out, 0.0
+        return RoundRun(finished, aborted, started, self.clock.now() - start, busy, windows)
 
     @staticmethod
     def _result(req: GenRequest, tokens: list[int], versions: list[int], reason: str) -> GenResult:
@@ -77,10 +92,12 @@ def _scheduler(engine: FakeEngine, clock: VirtualClock, mode: str, **kw) -> Sort
                            make_request=_make_request(engine), clock=clock, **kw)
 
 
+@pytest.mark.parametrize("max_sequences", [64, 5])  # 5 slots: most of the queue never starts (lazy loading)
 @pytest.mark.parametrize("mode", ["partial", "on_policy"])
-def test_rounds_lose_and_duplicate_no_prompt_across_aborts_and_restarts(tmp_path: Path, mode: str) -> None:
+def test_rounds_lose_and_duplicate_no_prompt_across_aborts_and_restarts(tmp_path: Path, mode: str,
+                                                                        max_sequences: int) -> None:
     clock = VirtualClock()
-    engine = FakeEngine(clock, _targets(1))
+    engine = FakeEngine(clock, _targets(1), max_sequences=max_sequences)
     sched = _scheduler(engine, clock, mode)
     store = DeltaTrajectoryStore(str(tmp_path / "tables"))
     trained: Counter[int] = Counter()
@@ -103,6 +120,8 @@ def test_rounds_lose_and_duplicate_no_prompt_across_aborts_and_restarts(tmp_path
         store.append_cache(sched.snapshot("run", round_index), app_id="run:rollout_cache", txn_version=round_index)
         # cache-aware loading: everything cached is older than every prompt never loaded
         assert all(g < sched.next_group for g in sched.groups)
+        # a prompt is loaded only when one of its samples reached the engine
+        assert {int(r.request_id.split("/")[0][1:]) for r in engine.submitted} == set(range(sched.next_group))
     assert max(trained.values()) == 1, "a prompt was trained twice"
     loaded = set(range(sched.next_group))
     assert set(trained) | set(sched.groups) == loaded, "a prompt was lost"
@@ -182,3 +201,47 @@ def test_snapshot_round_trip_and_bad_snapshot() -> None:
         assert other.groups[g].aborts == st.aborts
     with pytest.raises(ValueError, match="marker"):
         other.restore(rows[1:])
+
+
+def test_a_round_the_cache_already_fills_generates_nothing_and_has_no_bubble() -> None:
+    clock = VirtualClock()
+    engine = FakeEngine(clock, {g: 2 for g in range(100)}, per_window=4)  # every sample finishes in one window
+    sched = SortedScheduler(groups_per_step=4, samples_per_group=2, oversubscription=4.0, mode="partial",
+                            make_request=_make_request(engine), clock=clock)
+    first = sched.run_round(engine)
+    assert len(first.trainable) == 4 and len(sched._complete()) == 12  # 16 groups finished; 12 wait, finished
+    submitted = len(engine.submitted)
+    second = sched.run_round(engine)
+    assert len(engine.submitted) == submitted, "the engine was given work the cache already held"
+    assert second.stats.requests == 0 and second.stats.generated_tokens == 0 and second.stats.bubble_ratio == 0.0
+    assert len(second.trainable) == 4 and set(second.trainable).isdisjoint(first.trainable)
+
+
+def test_partial_mode_trains_long_groups_that_waited_before_newer_shorter_ones() -> None:
+    """Complete groups that waited ``max_aborts`` rounds go first; the batch itself is still shortest first."""
+    from reflow.infra.scheduler import GroupState
+
+    clock = VirtualClock()
+    engine = FakeEngine(clock, {})
+    sched = _scheduler(engine, clock, "partial", max_aborts=2)
+
+    lengths = {0: 90, 1: 60, 2: 3, 3: 4, 4: 5, 5: 6, 6: 7}
+    for g, length in lengths.items():
+        st = GroupState(g, aborts=2 if g in (0, 1) else 0)  # groups 0 and 1 completed rounds ago and waited
+        st.finished = {k: GenResult(f"g{g}/p{g}/{k}", [7] * length, [-0.5] * length, "stop", [0] * length, 0)
+                       for k in range(2)}
+        sched.groups[g] = st
+    taken = sched._harvest()
+    assert list(taken) == [2, 3, 1, 0]  # the two overdue ones, then the shortest; ordered by length
+    assert all(sched.groups[g].aborts == 1 for g in (4, 5, 6))  # one more round in the cache
+
+
+def test_partial_mode_never_pins_a_round_on_a_long_prompt_and_on_policy_does() -> None:
+    targets = {g: (120 if g == 1 else 3) for g in range(1000)}
+    for mode, waits in (("partial", False), ("on_policy", True)):
+        clock = VirtualClock()
+        engine = FakeEngine(clock, targets, per_window=4)
+        sched = SortedScheduler(groups_per_step=4, samples_per_group=2, oversubscription=2.0, mode=mode,
+                                make_request=_make_request(engine), clock=clock, max_aborts=2)
+        longest = max(sched.run_round(engine).stats.seconds for _ in range(6))
+        assert (longest >= 120 / 4 * 0.05) == waits, mode  # waiting for group 1 takes 30 windows
