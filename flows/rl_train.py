@@ -92,10 +92,11 @@ def _rounds(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
         synced = sync_weights(run_dir, updated.version)
         inline_eval = _due_eval(cfg, step) and not cfg.eval.deferred
         evaluated = evaluate(run_dir, step) if inline_eval else None
-        track(run_dir, step_metrics(run_dir, scored, updated, synced, evaluated, baseline))
-        _after_step(cfg, run_dir, step, updated.version, snapshots if cfg.eval.deferred else [])
-        if not overlap and not last and not sorted_rounds:
+        record = step_metrics(run_dir, scored, updated, synced, evaluated, baseline)
+        if not overlap and not last and not sorted_rounds:  # the engine starts now; logging overlaps it
             handle = rollout(run_dir, step + 1)
+        track(run_dir, record)
+        _after_step(cfg, run_dir, step, updated.version, snapshots if cfg.eval.deferred else [])
     return snapshots
 
 

@@ -188,6 +188,10 @@ class TrainConfig(_Section):
         "clipped surrogate against the behaviour log-probs (verl's default without rollout correction).")
     is_weight_cap: float = Field(2.0, gt=0, le=100.0, description="decoupled: largest behaviour importance "
                                  "weight exp(proximal - behaviour) per token.")
+    skip_zero_advantage: bool = Field(
+        True, description="Skip forward and backward of samples whose gradient is exactly zero: advantage 0 "
+        "(a GRPO group whose rewards are all equal) or loss weight 0, when kl_coef is 0. Their tokens still "
+        "count in the loss normaliser, so the update is the same; only the time differs.")
     is_cap_mode: Literal["truncate", "mask"] = Field(
         "truncate", description="decoupled: above the cap, truncate the weight (verl's TIS) or drop the token "
         "(mask, AReaL's code).")

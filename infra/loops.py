@@ -307,7 +307,8 @@ class FeederLoop:
                 tokens += item.tokens
                 if len(self._partial[item.group]) == self.backend.samples_per_group:
                     self._complete[item.group] = self._partial.pop(item.group)
-            saturated = self._in_flight >= self.controller.target
+            # Admission is in whole groups, so a full engine sits up to one group below the target.
+            saturated = self._in_flight + self.backend.samples_per_group > self.controller.target
             self._in_flight -= len(drained.finished)
             with self.state.cond:
                 self.state.engine_busy_s += drained.busy_s
@@ -374,6 +375,10 @@ class SelectorBackend(Protocol):
         """Send the trainer's weights to the engines without waiting for them to load."""
         ...
 
+    def record(self, step: int) -> None:
+        """Log step ``step`` (metrics, eval snapshot, checkpoint); called once its weights are on their way."""
+        ...
+
 
 class SelectorLoop:
     """Buffer -> batch -> trainer -> new weights -> generators."""
@@ -403,6 +408,7 @@ class SelectorLoop:
                 self.state.unused.pop(g, None)
         self.state.set_version(outcome.version)
         self.backend.push_weights(outcome.version)
+        self.backend.record(step)  # after the push: the engine gets the new weights without waiting for logging
         return outcome
 
     def _may_be_ready(self) -> bool:

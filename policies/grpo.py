@@ -39,7 +39,13 @@ def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: floa
     count = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, ones)
     total = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, rewards)
     mean = total / count
-    centred = rewards - mean[group_index]
+    # Exactly 0 for a group of equal rewards (the summed mean of e.g. eight 0.1s is not exactly 0.1), so the
+    # trainer can tell that such samples carry no gradient.
+    lowest = torch.full((groups,), float("inf"), dtype=rewards.dtype).scatter_reduce(0, group_index, rewards, "amin")
+    highest = torch.full((groups,), float("-inf"), dtype=rewards.dtype).scatter_reduce(0, group_index, rewards,
+                                                                                        "amax")
+    flat = (lowest == highest)[group_index]
+    centred = torch.where(flat, torch.zeros_like(rewards), rewards - mean[group_index])
     if not scale_by_std:
         return centred
     sq = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, centred**2)

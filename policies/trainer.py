@@ -47,9 +47,11 @@ class StepMetrics:
     grad_norm: float
     clip_fraction: float
     ratio_mean: float
-    trained_tokens: int
+    trained_tokens: int  # loss tokens that went through forward and backward
     micro_batches: int
     seconds: float
+    skipped_samples: int = 0  # samples left out because their gradient is exactly zero (``Trainer.skippable``)
+    skipped_tokens: int = 0  # their loss tokens (still counted in the token_mean normaliser)
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -115,7 +117,8 @@ class Trainer:
     def _maybe_shard(self) -> None:
         """FSDP2: shard each decoder layer, then the root, when running on several ranks."""
         dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        self._sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if not self._sharded:
             return
         from torch.distributed.fsdp import fully_shard
 
@@ -123,29 +126,52 @@ class Trainer:
             fully_shard(layer)
         fully_shard(self.model)
 
+    def skippable(self, sample: TrainSample) -> bool:
+        """Whether ``sample``'s gradient is exactly zero, so forward and backward can be skipped.
+
+        With ``kl_coef == 0`` the loss is ``sum_t w * m_t * loss_t / normaliser`` and every policy loss
+        here is ``-w_t * min(r_t A, clip(r_t) A)``: with ``A == 0`` (a GRPO group whose rewards are all
+        equal) or loss weight 0, each term and its gradient is 0, whatever the logits. The KL term
+        depends on every sample, so nothing is skipped when it is on; nor across several ranks (FSDP
+        needs every rank to run the same forward passes).
+        """
+        return (self.cfg.skip_zero_advantage and self.reference is None and not self._sharded
+                and (sample.advantage == 0.0 or sample.loss_weight == 0.0))
+
     def step(self, samples: list[TrainSample]) -> StepMetrics:
-        """One optimiser step on ``samples`` (gradients accumulated over micro-batches)."""
+        """One optimiser step on ``samples`` (gradients accumulated over micro-batches).
+
+        The loss normaliser counts every sample of the batch, skipped ones included (``skippable``),
+        so skipping changes no gradient; entropy, clip fraction and ratio are means over the tokens
+        trained on.
+        """
         start = time.perf_counter()
         self.model.train()
         loss_tokens = int(sum(sum(s.loss_mask) for s in samples))
-        total_tokens = float(max(loss_tokens, 1))
-        normaliser = total_tokens if self.cfg.loss_agg == "token_mean" else float(len(samples))
+        normaliser = float(max(loss_tokens, 1)) if self.cfg.loss_agg == "token_mean" else float(len(samples))
+        active = [s for s in samples if not self.skippable(s)]
+        trained_tokens = int(sum(sum(s.loss_mask) for s in active))
         sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "ratio": 0.0}
-        groups = pack_micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in samples],
+        groups = pack_micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in active],
                                     self.cfg.micro_batch_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         for idx in groups:
-            part = self._micro_step([samples[i] for i in idx], normaliser)
+            part = self._micro_step([active[i] for i in idx], normaliser)
             for key in sums:
                 sums[key] += part[key]
+        if not groups:  # a zero gradient, not a missing one: AdamW still decays its moments and steps
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
         self.version += 1
-        return StepMetrics(version=self.version, loss=sums["loss"], kl=sums["kl"] / total_tokens,
-                           entropy=sums["entropy"] / total_tokens, grad_norm=float(grad_norm),
-                           clip_fraction=sums["clip"] / total_tokens, ratio_mean=sums["ratio"] / total_tokens,
-                           trained_tokens=loss_tokens, micro_batches=len(groups),
-                           seconds=time.perf_counter() - start)
+        per_token = float(max(trained_tokens, 1))
+        return StepMetrics(version=self.version, loss=sums["loss"], kl=sums["kl"] / per_token,
+                           entropy=sums["entropy"] / per_token, grad_norm=float(grad_norm),
+                           clip_fraction=sums["clip"] / per_token, ratio_mean=sums["ratio"] / per_token,
+                           trained_tokens=trained_tokens, micro_batches=len(groups),
+                           seconds=time.perf_counter() - start, skipped_samples=len(samples) - len(active),
+                           skipped_tokens=loss_tokens - trained_tokens)
 
     def _micro_step(self, samples: list[TrainSample], normaliser: float) -> dict[str, float]:
         batch = {k: v.to(self.device) for k, v in _collate(samples, self.pad_id).items()}

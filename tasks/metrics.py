@@ -25,6 +25,7 @@ def step_metrics(run_dir: str, scored: ScoreSummary, updated: UpdateSummary, syn
         "entropy": updated.entropy, "grad_norm": updated.grad_norm, "clip_fraction": updated.clip_fraction,
         "importance_ratio_mean": updated.ratio_mean,
         "generated_tokens": float(scored.generated_tokens), "trained_tokens": float(updated.trained_tokens),
+        "skipped_tokens": float(updated.skipped_tokens),
         "generated_tokens_per_s": scored.generated_tokens / max(scored.generation_seconds, 1e-9),
         "trained_tokens_per_s": updated.trained_tokens / max(updated.trainer_seconds, 1e-9),
         "step_seconds": step_s, "rollout_seconds": scored.generation_seconds, "score_seconds": scored.seconds,

@@ -211,6 +211,7 @@ class RaySelector:
         self.tables = CachedTables(self.ctx.store)
         self.state, self.controller, self.on_step = state, controller, on_step
         self.seen = SelectorRecord()
+        self._trained: dict[int, tuple[ReplaySelection, UpdateSummary, StepRecord]] = {}  # trained, not recorded
         # A resumed run: steps up to this one were trained (and logged to usage) by the killed attempt.
         self.recorded_until = self.ctx.store.committed(USAGE, f"{self.ctx.record.run_id}:usage")
 
@@ -226,12 +227,16 @@ class RaySelector:
     def train(self, step: int, selection: ReplaySelection) -> StepOutcome:
         updated = update(self.run_dir, step, selection)
         consumed = {_stream_position(g) for g, kind in zip(selection.group_ids, selection.kinds) if kind != "replay"}
-        self.on_step(step, selection, updated, self._step_metrics(step, selection, updated))
+        self._trained[step] = (selection, updated, self._step_metrics(step, selection, updated))
         return StepOutcome(version=updated.version, groups=len(set(selection.group_ids)),
                            consumed=tuple(sorted(consumed)))
 
     def push_weights(self, version: int) -> None:
         push_weights(self.run_dir, version)
+
+    def record(self, step: int) -> None:
+        selection, updated, metrics = self._trained.pop(step)
+        self.on_step(step, selection, updated, metrics)
 
     def _step_metrics(self, step: int, sel: ReplaySelection, updated: UpdateSummary) -> StepRecord:
         """Idle fractions, staleness, replay and concurrency of one streaming step."""
@@ -251,6 +256,7 @@ class RaySelector:
             "loss": updated.loss, "kl": updated.kl, "entropy": updated.entropy, "grad_norm": updated.grad_norm,
             "clip_fraction": updated.clip_fraction, "importance_ratio_mean": updated.ratio_mean,
             "generated_tokens": float(tokens_d), "trained_tokens": float(updated.trained_tokens),
+            "skipped_tokens": float(updated.skipped_tokens),
             "generated_tokens_per_s": tokens_d / step_s,
             "engine_tokens_per_s": tokens_d / max(busy_d, 1e-9),
             "trained_tokens_per_s": updated.trained_tokens / max(updated.trainer_seconds, 1e-9),

@@ -31,7 +31,8 @@ class UpdateSummary:
     grad_norm: float
     clip_fraction: float
     ratio_mean: float
-    trained_tokens: int
+    trained_tokens: int  # loss tokens trained on (forward and backward)
+    skipped_tokens: int  # loss tokens of samples skipped because their gradient is exactly zero
     trainer_seconds: float
     usage_delta_version: int | None  # None: already written by an earlier attempt
     staleness_mean: float  # trainer version minus generating version, over the batch
@@ -69,7 +70,8 @@ def update(run_dir: str, step: int, selection: BatchSelection | None = None) -> 
     return UpdateSummary(step=step, version=metrics.version, num_samples=len(usage), loss=metrics.loss,
                          kl=metrics.kl, entropy=metrics.entropy, grad_norm=metrics.grad_norm,
                          clip_fraction=metrics.clip_fraction, ratio_mean=metrics.ratio_mean,
-                         trained_tokens=metrics.trained_tokens, trainer_seconds=metrics.seconds,
+                         trained_tokens=metrics.trained_tokens, skipped_tokens=metrics.skipped_tokens,
+                         trainer_seconds=metrics.seconds,
                          usage_delta_version=usage_version,
                          staleness_mean=sum(u.staleness for u in usage) / max(len(usage), 1),
                          staleness_max=max((u.staleness for u in usage), default=0),

@@ -68,7 +68,7 @@ def test_tools_sync_vllm_and_async_transformers_end_to_end(tmp_path: Path) -> No
         assert [s["step"] for s in steps] == [0, 1, 2]
         if mode == "sync":  # step k trains on exactly round k's rows: the trainer counts only policy tokens
             assert len(rows) == 3 * 16 and {u["staleness"] for u in usage} == {0}
-            for s in steps:
+            for s in steps:  # (those of zero-advantage samples are skipped, and counted as such)
                 policy_tokens = sum(sum(r["loss_mask"]) for r in rows if r["rollout_step"] == s["step"])
-                assert s["metrics"]["trained_tokens"] == policy_tokens
+                assert s["metrics"]["trained_tokens"] + s["metrics"]["skipped_tokens"] == policy_tokens
             assert sum(s["metrics"]["tool_calls"] for s in steps) > 0

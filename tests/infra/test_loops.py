@@ -118,6 +118,7 @@ class FakeSelector:
         self.tables = CachedTables(store)
         self.version = 0
         self.batches: dict[int, ReplaySelection] = {}
+        self.recorded: list[tuple[int, int]] = []  # (step, newest weights pushed when it was recorded)
 
     def select(self, step: int, trainer_version: int) -> ReplaySelection:
         return select_batch(self.tables, RUN, trainer_version, self.groups, self.policy,
@@ -132,6 +133,9 @@ class FakeSelector:
 
     def push_weights(self, version: int) -> None:
         self.engine.pending_weights.append(version)
+
+    def record(self, step: int) -> None:
+        self.recorded.append((step, self.engine.pending_weights[-1]))  # the weights were pushed first
 
 
 @pytest.mark.parametrize("seed,replay,stale", [(0, False, 1), (1, True, 1), (2, True, 1), (3, True, 0),
@@ -163,6 +167,7 @@ def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed:
         if not replay and state.groups_expired == 0:  # AReaL's form of the same bound
             assert state.groups_submitted <= (trainer.version + stale + 1) * fresh_per_step
     assert step >= 6, "the schedule should keep training (no deadlock between the loops)"
+    assert trainer.recorded == [(s, s + 1) for s in range(step)], "each step is recorded once, after its push"
 
     written = {r.trajectory_id: r for r in engine.written}
     uses: Counter[str] = Counter()
@@ -229,3 +234,27 @@ def test_feeder_batches_appends_by_groups_or_time(tmp_path: Path) -> None:
     state.request_stop()
     feeder.run()  # the final flush writes whatever is complete
     assert sum(engine.chunks) == state.groups_written >= before
+
+
+def test_controller_sees_an_engine_kept_full_in_whole_groups(tmp_path: Path) -> None:
+    """Samples finish one by one but groups are admitted whole: a full engine is up to a group below target."""
+    class Steady(FakeEngine):
+        def wait_drain(self, handle) -> Drained:
+            finished = []
+            for rid in list(self.in_flight)[:3]:  # 3 samples per window: rarely a whole group of room
+                del self.in_flight[rid]
+                result = GenResult(rid, [5] * 4, [-0.1] * 4, "stop", [0] * 4, 0)
+                finished.append(Finished(int(rid.split("/")[0][1:]), result, 4))
+            return Drained(finished, busy_s=0.5, in_flight=len(self.in_flight))
+
+        def write(self, chunk, groups) -> None:
+            pass
+
+    state = LoopState()
+    controller = ConcurrencyController(initial=64, minimum=16, maximum=256, increase=16, window_s=1.0)
+    feeder = FeederLoop(Steady(random.Random(0), 8), state, StalenessGate(1000, 1000, 1000), controller,
+                        VirtualClock())
+    for _ in range(12):
+        feeder.run_once()
+    assert controller.decisions, "windows of a full engine must count"
+    assert controller.target > 64

@@ -23,6 +23,15 @@ def test_group_advantages_without_std_scaling() -> None:
     assert adv.tolist() == [1.0, -1.0, 0.0]
 
 
+def test_group_advantages_are_exactly_zero_for_equal_rewards() -> None:
+    # eight 0.1s sum to 0.7999999999999999 in float64, so the summed mean is not exactly 0.1
+    rewards = torch.tensor([0.1] * 8 + [0.0, 1.0], dtype=torch.float64)
+    groups = torch.tensor([0] * 8 + [1, 1])
+    adv = grpo.group_advantages(rewards, groups)
+    assert adv[:8].tolist() == [0.0] * 8
+    assert adv[8:].tolist() == pytest.approx([-1.0, 1.0], abs=1e-5)
+
+
 def test_token_logprobs_and_entropy_uniform() -> None:
     logits = torch.zeros(1, 2, 4)
     tokens = torch.tensor([[0, 3]])

@@ -31,8 +31,8 @@ def _samples(n: int, seed: int = 0) -> list[TrainSample]:
     return out
 
 
-def _grads(model_dir: Path, budget: int, samples: list[TrainSample]) -> dict[str, torch.Tensor]:
-    trainer = Trainer(str(model_dir), TrainConfig(micro_batch_tokens=budget, learning_rate=1e-3), seed=0)
+def _grads(model_dir: Path, budget: int, samples: list[TrainSample], **cfg) -> dict[str, torch.Tensor]:
+    trainer = Trainer(str(model_dir), TrainConfig(micro_batch_tokens=budget, learning_rate=1e-3, **cfg), seed=0)
     trainer.optimizer.step = lambda: None  # keep weights, inspect gradients
     trainer.step(samples)
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -44,6 +44,56 @@ def test_micro_batching_does_not_change_the_gradient(random_model_dir: Path) -> 
     split = _grads(random_model_dir, 64, samples)
     for name in whole:
         assert torch.allclose(whole[name], split[name], atol=1e-5, rtol=1e-4), name
+
+
+def _with_zero_advantage(samples: list[TrainSample], every: int) -> list[TrainSample]:
+    return [TrainSample(s.prompt_tokens, s.response_tokens, s.behaviour_logprobs, s.loss_mask,
+                        0.0 if i % every == 0 else s.advantage, s.loss_weight) for i, s in enumerate(samples)]
+
+
+@pytest.mark.parametrize("policy_loss", ["decoupled", "ppo"])
+def test_skipping_zero_advantage_samples_leaves_the_gradient_unchanged(random_model_dir: Path,
+                                                                       policy_loss: str) -> None:
+    samples = _with_zero_advantage(_samples(12, seed=1), every=3)
+    skipped = _grads(random_model_dir, 100_000, samples, policy_loss=policy_loss)
+    computed = _grads(random_model_dir, 100_000, samples, policy_loss=policy_loss, skip_zero_advantage=False)
+    assert skipped.keys() == computed.keys()
+    for name in computed:
+        assert torch.allclose(skipped[name], computed[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_skipped_samples_count_in_the_normaliser_not_in_trained_tokens(random_model_dir: Path) -> None:
+    samples = _with_zero_advantage(_samples(12, seed=2), every=2)
+    zero_tokens = sum(sum(s.loss_mask) for s in samples if s.advantage == 0.0)
+    all_tokens = sum(sum(s.loss_mask) for s in samples)
+    on = Trainer(str(random_model_dir), TrainConfig(), seed=0).step(samples)
+    off = Trainer(str(random_model_dir), TrainConfig(skip_zero_advantage=False), seed=0).step(samples)
+    assert (on.skipped_samples, on.skipped_tokens, on.trained_tokens) == (6, zero_tokens, all_tokens - zero_tokens)
+    assert (off.skipped_samples, off.skipped_tokens, off.trained_tokens) == (0, 0, all_tokens)
+    assert on.loss == pytest.approx(off.loss, rel=1e-5) and on.grad_norm == pytest.approx(off.grad_norm, rel=1e-5)
+
+
+def test_nothing_is_skipped_with_a_kl_term(random_model_dir: Path) -> None:
+    samples = _with_zero_advantage(_samples(6, seed=3), every=2)
+    metrics = Trainer(str(random_model_dir), TrainConfig(kl_coef=0.1), seed=0).step(samples)
+    assert metrics.skipped_samples == 0
+
+
+def test_an_all_zero_batch_still_steps_adam_with_a_zero_gradient(random_model_dir: Path) -> None:
+    """A fully skipped batch must move the weights exactly as a computed zero gradient does (Adam's momentum)."""
+    warm, flat = _samples(4, seed=4), _with_zero_advantage(_samples(4, seed=5), every=1)
+    finals = []
+    for skip in (True, False):
+        trainer = Trainer(str(random_model_dir), TrainConfig(learning_rate=1e-2, skip_zero_advantage=skip), seed=0)
+        trainer.step(warm)
+        before = trainer.export_weights()
+        metrics = trainer.step(flat)
+        assert metrics.skipped_samples == (4 if skip else 0) and metrics.grad_norm == 0.0
+        after = trainer.export_weights()
+        assert any(not torch.equal(before[n], after[n]) for n in after)  # momentum still moves the weights
+        finals.append(after)
+    for name in finals[0]:
+        assert torch.allclose(finals[0][name], finals[1][name], atol=1e-7), name
 
 
 def test_step_raises_logprob_of_positive_advantage_response(random_model_dir: Path) -> None:
