@@ -70,8 +70,9 @@ def _due_eval(cfg: ReflowConfig, step: int) -> bool:
     return bool(cfg.env.eval_prompts) and ((step + 1) % cfg.eval.every_steps == 0 or step == cfg.run.total_steps - 1)
 
 
-def _after_step(cfg: ReflowConfig, run_dir: str, step: int, version: int, snapshots: list) -> None:
-    if _due_eval(cfg, step):
+def _after_step(cfg: ReflowConfig, run_dir: str, step: int, version: int, snapshots: list | None) -> None:
+    """Snapshot the weights for a deferred evaluation (``snapshots``: None when evaluation is inline), checkpoint."""
+    if snapshots is not None and _due_eval(cfg, step):
         snapshots.append(snapshot(run_dir, step, version))
     if (step + 1) % cfg.run.checkpoint_every_steps == 0 or step == cfg.run.total_steps - 1:
         checkpoint(run_dir, step)
@@ -96,7 +97,7 @@ def _rounds(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
         if not overlap and not last and not sorted_rounds:  # the engine starts now; logging overlaps it
             handle = rollout(run_dir, step + 1)
         track(run_dir, record)
-        _after_step(cfg, run_dir, step, updated.version, snapshots if cfg.eval.deferred else [])
+        _after_step(cfg, run_dir, step, updated.version, snapshots if cfg.eval.deferred else None)
     return snapshots
 
 

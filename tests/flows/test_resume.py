@@ -58,8 +58,10 @@ def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mo
     # as if the kill had landed between a step's writes and its checkpoint: that step (already in
     # Delta, MLflow and steps.jsonl) is run again, and nothing of it may be doubled
     newest = _checkpointed(run_dir)
-    assert newest >= kill_after - 1, first.output()
-    shutil.rmtree(run_dir / "checkpoints" / f"step-{newest:06d}")
+    # step k's progress line follows step k-2's checkpoint (0-based k-1's may still be being written)
+    assert newest >= kill_after - 2, first.output()
+    if newest >= 0:
+        shutil.rmtree(run_dir / "checkpoints" / f"step-{newest:06d}")
     mlflow_run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
 
     second = reflow_process(["resume", str(run_dir)], tmp_path)
