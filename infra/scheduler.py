@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, Sequence
 
 from reflow.infra.clock import Clock
-from reflow.policies.engines import GenRequest, GenResult, RoundRun
+from reflow.policies.engines import GenRequest, GenResult
+from reflow.policies.rounds import RoundRun
 from reflow.storage.schema import CachedSample
 
 Mode = Literal["on_policy", "partial"]

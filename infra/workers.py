@@ -68,7 +68,8 @@ class EngineWorker:
         """All ``requests`` to completion, as a ``GenBatch`` (results, engine seconds, slot-time)."""
         import time
 
-        from reflow.policies.engines import GenBatch, SlotMeter
+        from reflow.policies.engines import GenBatch
+        from reflow.policies.rounds import SlotMeter
 
         start = time.perf_counter()  # engine-side busy time, reported to the control plane
         meter = SlotMeter(self.engine, self.max_sequences)
@@ -93,7 +94,8 @@ class EngineWorker:
         """Step the engine for about ``window_s`` seconds; a ``Drain`` of what finished meanwhile."""
         import time
 
-        from reflow.policies.engines import Drain, SlotMeter
+        from reflow.policies.engines import Drain
+        from reflow.policies.rounds import SlotMeter
 
         start = time.perf_counter()
         meter = SlotMeter(self.engine, self.max_sequences)
@@ -110,7 +112,7 @@ class EngineWorker:
         rest is aborted. Nothing of a round outlives the call, so Ray's retry
         of it on a restarted actor simply runs the round again.
         """
-        from reflow.policies.engines import run_round
+        from reflow.policies.rounds import run_round
 
         return run_round(self.engine, queue, rule, self.max_sequences)
 

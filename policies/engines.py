@@ -129,64 +129,6 @@ class Drain:
     incarnation: str = ""  # which start of the engine actor answered (a restarted actor lost its requests)
 
 
-@dataclass(frozen=True)
-class RoundRun:
-    """One length-aware round as the engine ran it (``run_round``).
-
-    ``seconds`` is the engine's own clock from receiving the round to having
-    aborted what was still running (the span a plain round's
-    ``GenBatch.seconds`` covers), so the bubble of both kinds of round is
-    measured over the same thing.
-    """
-
-    finished: list[GenResult]
-    aborted: list[GenResult]  # running when the round ended: tokens so far, finish reason ``abort``
-    started: int  # requests taken from the front of the round's queue (the rest never reached the engine)
-    seconds: float
-    busy_slot_seconds: float  # sum over engine steps of (sequences decoding x step time)
-    steps: int  # engine steps taken
-
-
-class StopRule(Protocol):
-    """When a round may end; told about every finished sample as it finishes (``infra.scheduler.RoundGoal``)."""
-
-    def observe(self, result: GenResult) -> None: ...
-
-    def met(self) -> bool: ...
-
-
-def run_round(engine: Engine, queue: Sequence[GenRequest], rule: StopRule, max_sequences: int) -> RoundRun:
-    """Generate from ``queue`` until ``rule`` is met (or nothing is left), then abort what still runs.
-
-    The engine is kept at ``max_sequences`` running requests: before every
-    step it takes requests from the front of ``queue`` into the slots that
-    came free, so it never idles while work waits, and a request that was
-    never needed is never added (nor aborted). Runs where the engine lives,
-    one call per round: the engine steps back to back, with no caller round
-    trip between steps, and stops in the step that meets the rule.
-    """
-    import time
-
-    start = time.perf_counter()
-    meter = SlotMeter(engine, max_sequences)
-    finished: list[GenResult] = []
-    started = steps = 0
-    while not rule.met():
-        free = max_sequences - engine.num_unfinished()
-        if free > 0 and started < len(queue):
-            engine.submit(queue[started:started + free])
-            started = min(len(queue), started + free)
-        if not engine.num_unfinished():
-            break
-        for res in meter.collect(max_steps=1):
-            rule.observe(res)
-            finished.append(res)
-        steps += 1
-    aborted = engine.abort(engine.pending_ids())
-    return RoundRun(finished=finished, aborted=aborted, started=started, seconds=time.perf_counter() - start,
-                    busy_slot_seconds=meter.busy_slot_seconds, steps=steps)
-
-
 def generate_all(engine: Engine, requests: Sequence[GenRequest]) -> list[GenResult]:
     """Submit ``requests`` and collect until every one has finished."""
     engine.submit(requests)
@@ -194,29 +136,6 @@ def generate_all(engine: Engine, requests: Sequence[GenRequest]) -> list[GenResu
     while engine.num_unfinished():
         done.extend(engine.collect(max_steps=16))
     return done
-
-
-class SlotMeter:
-    """Slot-time accounting for the rollout bubble: how many sequences decode, for how long.
-
-    ``collect`` runs engine steps; over one call, the sequences decoding are
-    taken as those unfinished at its start, capped at the engine's
-    ``max_concurrent_sequences`` (short calls keep this close: ``max_steps``
-    is small).
-    """
-
-    def __init__(self, engine: Engine, max_sequences: int) -> None:
-        self.engine, self.max_sequences = engine, max_sequences
-        self.busy_slot_seconds = 0.0
-
-    def collect(self, max_steps: int) -> list[GenResult]:
-        import time
-
-        running = min(self.engine.num_unfinished(), self.max_sequences)
-        start = time.perf_counter()
-        out = self.engine.collect(max_steps=max_steps)
-        self.busy_slot_seconds += running * (time.perf_counter() - start)
-        return out
 
 
 @dataclass(frozen=True)

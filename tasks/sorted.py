@@ -19,7 +19,8 @@ from prefect.cache_policies import NO_CACHE
 from reflow.infra.clock import SystemClock
 from reflow.infra.scheduler import RoundGoal, SortedScheduler
 from reflow.infra.workers import actor
-from reflow.policies.engines import GenRequest, GenResult, RoundRun
+from reflow.policies.engines import GenRequest, GenResult
+from reflow.policies.rounds import RoundRun
 from reflow.storage.delta_store import ROLLOUT_CACHE
 from reflow.storage.sampler import _quote
 from reflow.storage.schema import CachedSample

@@ -10,7 +10,8 @@ import pytest
 
 from reflow.infra.clock import VirtualClock
 from reflow.infra.scheduler import SortedScheduler
-from reflow.policies.engines import GenRequest, GenResult, RoundRun
+from reflow.policies.engines import GenRequest, GenResult
+from reflow.policies.rounds import RoundRun
 from reflow.storage.delta_store import DeltaTrajectoryStore
 
 

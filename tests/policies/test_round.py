@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from reflow.infra.scheduler import RoundGoal
-from reflow.policies.engines import GenRequest, GenResult, run_round
+from reflow.policies.engines import GenRequest, GenResult
+from reflow.policies.rounds import run_round
 
 
 class StepEngine:
