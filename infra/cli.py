@@ -436,7 +436,11 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+_INTERRUPTED = threading.Event()
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
+    _INTERRUPTED.set()
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -445,10 +449,14 @@ def interrupt_on_sigterm() -> None:
 
     Ray installs its own SIGTERM handler when it starts (it drains the node
     for up to 30 s, then exits 1 without our cleanup), so ``start_ray`` calls
-    this again afterwards. Only the main thread can install handlers.
+    this again afterwards. Only the main thread can install handlers. Both
+    signals also set a flag: the KeyboardInterrupt can land inside a library's
+    own cleanup (Prefect's crash handler, say) and come out as another
+    exception, and the run must still exit 130.
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        signal.signal(signal.SIGINT, _raise_interrupt)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if not _INTERRUPTED.is_set():
+            raise
+        print(f"interrupted (while stopping: {type(exc).__name__}: {exc})", file=sys.stderr)
         return 130
 
 

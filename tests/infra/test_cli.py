@@ -113,3 +113,48 @@ def test_run_resume_refuses_a_new_config(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "drop --config and --set" in proc.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == []
 
+
+
+def test_interrupt_that_surfaces_as_another_exception_still_exits_130(monkeypatch, capsys) -> None:
+    """Ctrl-C landing inside Prefect's crash handler came out as ValueError("Task run is not set") (CI, exit 1)."""
+    import signal
+
+    from reflow.infra import cli
+
+    def handler(args: object) -> int:
+        try:
+            cli._raise_interrupt(signal.SIGINT, None)
+        except KeyboardInterrupt:
+            raise ValueError("Task run is not set") from None
+        return 0
+
+    monkeypatch.setattr(cli, "_INTERRUPTED", cli.threading.Event())
+    monkeypatch.setattr(cli, "_cmd_config", handler)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert cli.main(["config"]) == 130
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_an_error_without_an_interrupt_is_not_reported_as_one(monkeypatch) -> None:
+    import signal
+
+    import pytest
+
+    from reflow.infra import cli
+
+    def handler(args: object) -> int:
+        raise ValueError("a real bug")
+
+    monkeypatch.setattr(cli, "_INTERRUPTED", cli.threading.Event())
+    monkeypatch.setattr(cli, "_cmd_config", handler)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(ValueError, match="a real bug"):
+            cli.main(["config"])
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
