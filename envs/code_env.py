@@ -28,11 +28,15 @@ each) when Ray is up, else as threads, so a round's programs run in parallel
 while the engine keeps generating.
 
 Synthetic dataset (``env.data_path`` unset): "reads an integer n and prints
-``a*n+b``" (or ``(a*n+b)%m``) with stdin tests, and "a function f(n) that
+``n*a+b``" (or ``(n*a+b)%m``) with stdin tests, and "a function f(n) that
 returns ..." with call tests (no starter code: the question names the
 function); the reference is the two-line program. The expression ends the
-question, so the constants the program copies sit 35 to 45 characters before
-they are needed.
+question, and each constant follows an operator that occurs once in it
+(``*``, ``+``, ``%``), so the program can copy it by looking back for the
+same operator (an induction-style copy; written ``a*n+b``, the first
+constant followed a space, which the question has many of). The tiny policy
+learns the copy late in its warm start: the SFT loss falls from about 0.12
+to 0.04 between steps 1,000 and 1,500 of 3,000 (``configs/code.toml``).
 """
 
 from __future__ import annotations
@@ -196,7 +200,7 @@ def synthetic_code_row(rng: random.Random, max_operand: int) -> dict[str, Any]:
     a, b = rng.randint(2, max_operand), rng.randint(0, max_operand)
     modulus = rng.randint(2, 9)
     modulus += int(a % modulus == 0)  # a multiple of the modulus would make f constant
-    expr = f"{a}*n+{b}" if rng.random() < 0.5 else f"({a}*n+{b})%{modulus}"
+    expr = f"n*{a}+{b}" if rng.random() < 0.5 else f"(n*{a}+{b})%{modulus}"
     ns = rng.sample(range(0, 31), 3)
     values = [eval(expr, {"n": n}) for n in ns]  # noqa: S307 - our own arithmetic expression
     if rng.random() < 0.5:
