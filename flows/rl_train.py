@@ -30,7 +30,7 @@ from reflow.infra.clock import SystemClock
 from reflow.infra.config import ReflowConfig
 from reflow.infra.loops import ConcurrencyController, FeederLoop, LoopState, SelectorLoop, StalenessGate
 from reflow.tasks.lifecycle import (RunOutcome, abort_generation, evaluate_snapshots, finalize, prepare,
-                                    recorded_baseline, restore, snapshot, teardown, track)
+                                    recorded_baseline, restore, snapshot, teardown, track, TrackQueue)
 from reflow.tasks.metrics import step_metrics
 from reflow.tasks.rollout import evaluate, rollout, score
 from reflow.tasks.sorted import sorted_round
@@ -74,8 +74,12 @@ def _after_step(cfg: ReflowConfig, run_dir: str, step: int, version: int, snapsh
     """Snapshot the weights for a deferred evaluation (``snapshots``: None when evaluation is inline), checkpoint."""
     if snapshots is not None and _due_eval(cfg, step):
         snapshots.append(snapshot(run_dir, step, version))
-    if (step + 1) % cfg.run.checkpoint_every_steps == 0 or step == cfg.run.total_steps - 1:
+    if _due_checkpoint(cfg, step):
         checkpoint(run_dir, step)
+
+
+def _due_checkpoint(cfg: ReflowConfig, step: int) -> bool:
+    return (step + 1) % cfg.run.checkpoint_every_steps == 0 or step == cfg.run.total_steps - 1
 
 
 def _rounds(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
@@ -127,10 +131,14 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> lis
     state.unused.update(at.unused)
     snapshots: list = []
 
+    tracks = TrackQueue()
+
     def on_step(step, selection, updated, record) -> None:
         if baseline is not None:
             record.metrics["eval_accuracy_baseline"] = baseline.accuracy
-        track(run_dir, record)
+        tracks.submit(run_dir, record)  # off the trainer's path
+        if _due_checkpoint(cfg, step):
+            tracks.drain()  # a checkpointed step is logged: a resume continues after it
         _after_step(cfg, run_dir, step, updated.version, snapshots)
 
     selector = SelectorLoop(RaySelector(run_dir, state, controller, on_step, replay), state, groups, clock,
@@ -140,9 +148,11 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> lis
     thread.start()
     try:
         selector.run(range(first, cfg.run.total_steps))
+        tracks.drain()
     finally:
         state.request_stop()
         thread.join()
+        tracks.close()
         abort_generation(run_dir)
     if state.error is not None:
         raise RuntimeError("the feeder loop failed") from state.error

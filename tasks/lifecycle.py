@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import platform
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,6 +181,36 @@ def track(run_dir: str, record: StepRecord) -> None:
     if not (resumed and any(r.step == record.step for r in read_steps(run_dir))):  # else the killed attempt did
         append_step(run_dir, record)
     print(report.progress_line(record, ctx.cfg.run.total_steps), flush=True)
+
+
+class TrackQueue:
+    """``track`` in one background thread, in submission order (the streaming selector's logging).
+
+    The selector's next update need not wait for MLflow, ``steps.jsonl``
+    and a Prefect task run. ``drain`` waits for what was submitted and
+    raises the first error a logging call hit; call it before anything that
+    makes a step final (a checkpoint) or reads the log (deferred evaluation).
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="track")
+        self._pending: list[Future] = []
+
+    def submit(self, run_dir: str, record: StepRecord) -> None:
+        done = [f for f in self._pending if f.done()]
+        for future in done:
+            self._pending.remove(future)
+            future.result()  # a failed log stops the run at the next step, not at the end
+        # the Prefect flow run travels in the context, as for the feeder thread
+        self._pending.append(self._pool.submit(contextvars.copy_context().run, track, run_dir, record))
+
+    def drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 @dataclass(frozen=True)

@@ -211,18 +211,25 @@ class RaySelector:
         self.tables = CachedTables(self.ctx.store)
         self.state, self.controller, self.on_step = state, controller, on_step
         self.seen = SelectorRecord()
+        # Where the selector's time goes between two updates (trainer idle), seconds; the log of step k is
+        # known only after it, so each step reports the previous step's logging time.
+        self.phase_s = {"select": 0.0, "push": 0.0, "log": 0.0}
         self._trained: dict[int, tuple[ReplaySelection, UpdateSummary, StepRecord]] = {}  # trained, not recorded
         # A resumed run: steps up to this one were trained (and logged to usage) by the killed attempt.
         self.recorded_until = self.ctx.store.committed(USAGE, f"{self.ctx.record.run_id}:usage")
 
     def select(self, step: int, trainer_version: int) -> ReplaySelection:
-        if self.recorded_until is not None and step <= self.recorded_until:
-            recorded = recorded_batch(self.ctx, step)
-            if recorded is not None:
-                return recorded
-        return select_batch(self.tables, self.ctx.record.run_id, trainer_version,
-                            self.ctx.cfg.rollout.prompts_per_step, self.policy, self.weight_fn,
-                            samples_per_prompt=self.ctx.cfg.rollout.samples_per_prompt)
+        started = self.ctx.clock.now()
+        try:
+            if self.recorded_until is not None and step <= self.recorded_until:
+                recorded = recorded_batch(self.ctx, step)
+                if recorded is not None:
+                    return recorded
+            return select_batch(self.tables, self.ctx.record.run_id, trainer_version,
+                                self.ctx.cfg.rollout.prompts_per_step, self.policy, self.weight_fn,
+                                samples_per_prompt=self.ctx.cfg.rollout.samples_per_prompt)
+        finally:
+            self.phase_s["select"] = self.ctx.clock.now() - started  # the last query of the step counts
 
     def train(self, step: int, selection: ReplaySelection) -> StepOutcome:
         updated = update(self.run_dir, step, selection)
@@ -232,11 +239,18 @@ class RaySelector:
                            consumed=tuple(sorted(consumed)))
 
     def push_weights(self, version: int) -> None:
+        started = self.ctx.clock.now()
         push_weights(self.run_dir, version)
+        self.phase_s["push"] = self.ctx.clock.now() - started
 
     def record(self, step: int) -> None:
         selection, updated, metrics = self._trained.pop(step)
+        m = metrics.metrics
+        m["select_seconds"], m["push_seconds"] = self.phase_s["select"], self.phase_s["push"]
+        m["previous_log_seconds"] = self.phase_s["log"]
+        started = self.ctx.clock.now()
         self.on_step(step, selection, updated, metrics)
+        self.phase_s["log"] = self.ctx.clock.now() - started
 
     def _step_metrics(self, step: int, sel: ReplaySelection, updated: UpdateSummary) -> StepRecord:
         """Idle fractions, staleness, replay and concurrency of one streaming step."""

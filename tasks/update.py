@@ -61,12 +61,16 @@ def update(run_dir: str, step: int, selection: BatchSelection | None = None) -> 
     batch = selection if selection is not None else sync_batch(ctx.store, run_id=ctx.record.run_id,
                                                                rollout_step=step)
     versions = (min(batch.policy_versions), max(batch.policy_versions)) if batch.policy_versions else None
-    result = ray.get(trainer.train.remote(ctx.record.run_id, batch.trajectory_ids, batch.loss_weights, versions))
-    metrics = result.metrics
+    pending = trainer.train.remote(ctx.record.run_id, batch.trajectory_ids, batch.loss_weights, versions)
+    # The usage rows are known before the step: log them while the trainer computes (the trainer waited for
+    # this commit before). A kill between the two leaves a logged step that a resume trains again, with the
+    # logged batch, as it does for any step after the newest checkpoint.
     usage = [Usage(run_id=ctx.record.run_id, trajectory_id=tid, trainer_step=step, trainer_version=trainer_version,
                    loss_weight=w, staleness=trainer_version - v)
              for tid, w, v in zip(batch.trajectory_ids, batch.loss_weights, batch.policy_versions)]
     usage_version = ctx.store.append_usage(usage, app_id=f"{ctx.record.run_id}:usage", txn_version=step)
+    result = ray.get(pending)
+    metrics = result.metrics
     return UpdateSummary(step=step, version=metrics.version, num_samples=len(usage), loss=metrics.loss,
                          kl=metrics.kl, entropy=metrics.entropy, grad_norm=metrics.grad_norm,
                          clip_fraction=metrics.clip_fraction, ratio_mean=metrics.ratio_mean,
