@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from reflow.infra.config import ConfigError, ReflowConfig, load_config
+from reflow.infra.signals import INTERRUPTED, interrupt_on_signals
 
 EXIT_BAD_INPUT = 2
 
@@ -436,33 +435,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-_INTERRUPTED = threading.Event()
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    _INTERRUPTED.set()
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def interrupt_on_sigterm() -> None:
-    """Make SIGTERM (``kill``, a job scheduler) stop a command like Ctrl-C: same cleanup, exit 130.
-
-    Ray installs its own SIGTERM handler when it starts (it drains the node
-    for up to 30 s, then exits 1 without our cleanup), so ``start_ray`` calls
-    this again afterwards. Only the main thread can install handlers. Both
-    signals also set a flag: the KeyboardInterrupt can land inside a library's
-    own cleanup (Prefect's crash handler, say) and come out as another
-    exception, and the run must still exit 130.
-    """
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_interrupt)
-        signal.signal(signal.SIGINT, _raise_interrupt)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``reflow`` script."""
     args = build_parser().parse_args(argv)
-    interrupt_on_sigterm()
+    interrupt_on_signals()
     handlers = {"run": _cmd_run, "resume": _cmd_resume, "serve": _cmd_serve, "config": _cmd_config,
                 "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench, "query": _cmd_query,
                 "maintain": _cmd_maintain, "reproduce": _cmd_reproduce}
@@ -476,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if not _INTERRUPTED.is_set():
+        if not INTERRUPTED.is_set():
             raise
         print(f"interrupted (while stopping: {type(exc).__name__}: {exc})", file=sys.stderr)
         return 130

@@ -292,9 +292,9 @@ def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
         ray.init(address=cfg.resources.ray_address, **kwargs)
     else:
         ray.init(num_cpus=cfg.resources.num_cpus, include_dashboard=False, **kwargs)
-    from reflow.infra.cli import interrupt_on_sigterm
+    from reflow.infra.signals import interrupt_on_signals
 
-    interrupt_on_sigterm()  # Ray replaced the handler
+    interrupt_on_signals()  # Ray replaced the handler
 
 
 def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root: str,

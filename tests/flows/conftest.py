@@ -96,8 +96,10 @@ class Attempt:
     def finish(self, timeout: float = 300) -> int:
         return self.proc.wait(timeout=timeout)
 
-    def output(self) -> str:
-        return "".join(self.lines)[-4000:]
+    def output(self, tail: int | None = 4000) -> str:
+        """What the run printed: the last ``tail`` characters (for failure messages), or all of it (None)."""
+        text = "".join(self.lines)
+        return text if tail is None else text[-tail:]
 
 
 

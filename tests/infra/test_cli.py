@@ -119,16 +119,17 @@ def test_interrupt_that_surfaces_as_another_exception_still_exits_130(monkeypatc
     """Ctrl-C landing inside Prefect's crash handler came out as ValueError("Task run is not set") (CI, exit 1)."""
     import signal
 
-    from reflow.infra import cli
+    from reflow.infra import cli, signals
 
     def handler(args: object) -> int:
         try:
-            cli._raise_interrupt(signal.SIGINT, None)
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # whatever handler main installed
         except KeyboardInterrupt:
             raise ValueError("Task run is not set") from None
         return 0
 
-    monkeypatch.setattr(cli, "_INTERRUPTED", cli.threading.Event())
+    monkeypatch.setattr(signals, "INTERRUPTED", signals.threading.Event())
+    monkeypatch.setattr(cli, "INTERRUPTED", signals.INTERRUPTED)
     monkeypatch.setattr(cli, "_cmd_config", handler)
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -144,12 +145,13 @@ def test_an_error_without_an_interrupt_is_not_reported_as_one(monkeypatch) -> No
 
     import pytest
 
-    from reflow.infra import cli
+    from reflow.infra import cli, signals
 
     def handler(args: object) -> int:
         raise ValueError("a real bug")
 
-    monkeypatch.setattr(cli, "_INTERRUPTED", cli.threading.Event())
+    monkeypatch.setattr(signals, "INTERRUPTED", signals.threading.Event())
+    monkeypatch.setattr(cli, "INTERRUPTED", signals.INTERRUPTED)
     monkeypatch.setattr(cli, "_cmd_config", handler)
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -158,3 +160,29 @@ def test_an_error_without_an_interrupt_is_not_reported_as_one(monkeypatch) -> No
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
+
+
+def test_run_as_a_script_the_handler_ray_reinstalls_sets_the_flag_main_reads(tmp_path: Path) -> None:
+    """``python -m reflow.infra.cli`` is ``__main__``; ``start_ray`` imports the package module again.
+
+    Both must share one flag, or a Ctrl-C after Ray started exits 1 (seen in CI).
+    """
+    script = (
+        "import importlib.util, signal, sys\n"
+        "spec = importlib.util.find_spec('reflow.infra.cli')\n"
+        "script = importlib.util.module_from_spec(spec)  # a second module object, as __main__ is\n"
+        "spec.loader.exec_module(script)\n"
+        "import reflow.infra.cli as package\n"
+        "assert script is not package\n"
+        "def handler(args):\n"
+        "    package.interrupt_on_signals()  # as start_ray re-installs them, through the package module\n"
+        "    try:\n"
+        "        signal.raise_signal(signal.SIGINT)\n"
+        "    except KeyboardInterrupt:\n"
+        "        raise ValueError('Task run is not set') from None\n"
+        "script._cmd_config = handler\n"
+        "sys.exit(script.main(['config']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted" in proc.stderr

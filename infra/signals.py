@@ -1,0 +1,34 @@
+"""Ctrl-C and SIGTERM stop a command the same way: a KeyboardInterrupt, and a flag that says it happened.
+
+The flag lives here, in one module, because the CLI runs as ``python -m
+reflow.infra.cli``: its ``__main__`` and a later ``import reflow.infra.cli``
+(``start_ray`` re-installs the handlers) would otherwise be two modules with
+two flags, and the handler that fires would set the one ``main`` never reads.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+INTERRUPTED = threading.Event()
+
+
+def raise_interrupt(signum: int, frame: object) -> None:
+    INTERRUPTED.set()
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def interrupt_on_signals() -> None:
+    """Make SIGTERM (``kill``, a job scheduler) stop a command like Ctrl-C: same cleanup, exit 130.
+
+    Ray installs its own SIGTERM handler when it starts (it drains the node
+    for up to 30 s, then exits 1 without our cleanup), so ``start_ray`` calls
+    this again afterwards. Only the main thread can install handlers. Both
+    signals also set ``INTERRUPTED``: the KeyboardInterrupt can land inside a
+    library's own cleanup (Prefect's crash handler, say) and come out as
+    another exception, and the command must still exit 130.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_interrupt)
+        signal.signal(signal.SIGINT, raise_interrupt)
