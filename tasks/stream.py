@@ -215,7 +215,8 @@ class RaySelector:
         # known only after it, so each step reports the previous step's logging time.
         self.phase_s = {"select": 0.0, "push": 0.0, "log": 0.0}
         self._trained: dict[int, tuple[ReplaySelection, UpdateSummary, StepRecord]] = {}  # trained, not recorded
-        # A resumed run: steps up to this one were trained (and logged to usage) by the killed attempt.
+        # A resumed run: steps up to this one were logged to usage by the killed attempt (the log is written as
+        # the trainer starts a step, so the last may not have finished); they train again on their logged batches.
         self.recorded_until = self.ctx.store.committed(USAGE, f"{self.ctx.record.run_id}:usage")
 
     def select(self, step: int, trainer_version: int) -> ReplaySelection:
