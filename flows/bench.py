@@ -53,13 +53,14 @@ def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, o
 
 @flow(name="bench", log_prints=False)
 def bench_flow(config: str | None, overrides: list[str], modes: list[str], seeds: list[int], out: str,
-               target: float | None) -> dict:
+               target: float | None, smooth_evals: int = 3) -> dict:
     """All modes x seeds; writes ``out/bench.json`` and ``out/bench.png``; returns the summary."""
     Path(out).mkdir(parents=True, exist_ok=True)
     results: list[bench.ModeResult] = []
     for seed in seeds:
         for mode in modes:
-            results.append(bench.summarise(mode, seed, bench_mode(config, overrides, mode, seed, out), None))
+            results.append(bench.summarise(mode, seed, bench_mode(config, overrides, mode, seed, out), None,
+                                           smooth_evals))
     targets: dict[int, float] = {}
     for seed in seeds:
         sync = next((r for r in results if r.seed == seed and r.mode == "sync"), None)
@@ -68,7 +69,8 @@ def bench_flow(config: str | None, overrides: list[str], modes: list[str], seeds
     results = [bench.with_target(r, targets[r.seed]) for r in results]
     summary = bench.aggregate(results)
     meta = {"config": config, "overrides": overrides, "modes": modes, "seeds": seeds, "targets": targets,
-            "target_rule": "given" if target is not None else "warm-start + 75% of sync's gain (per seed)"}
+            "target_rule": "given" if target is not None else "warm-start + 75% of sync's gain (per seed)",
+            "smooth_evals": smooth_evals}
     bench.write_json(Path(out) / "bench.json", results, summary, meta)
     bench.plot(results, Path(out) / "bench.png")
     print("\n" + bench.table(summary), flush=True)

@@ -11,6 +11,16 @@ target, linearly interpolated between it and the previous eval point (the
 warm-start evaluation is the point at t=0). The default target is the
 warm-start accuracy plus 75% of what ``sync`` gained by its end (same seed),
 so "time to target" reads "time to most of sync's improvement".
+
+Smoothing (``smooth_evals`` = k, ``reflow bench --smooth-evals``): one
+evaluation of 128 prompts x 4 samples is noisy (about +-0.02 to 0.03), so
+with k > 1 time to target and the default target are read off the trailing
+mean of the last k eval points (point i averages points i-k+1..i; the first
+points average what there is, the warm start included), and final accuracy
+is the mean of the last k evaluations. A trailing mean only crosses once the
+evaluations already made say so: it delays every mode by the same number of
+eval points, never credits a mode with a lucky single evaluation. The raw
+curve is kept (``eval_curve``, ``final_accuracy_last``).
 """
 
 from __future__ import annotations
@@ -46,7 +56,9 @@ class ModeResult:
     replay_share: float
     bubble_ratio: float | None  # rounds' idle engine slot-time share, mean over rounds that generated
     # (None: a streaming mode, no rounds)
-    eval_curve: list[tuple[float, float]]  # (seconds, held-out accuracy)
+    eval_curve: list[tuple[float, float]]  # (seconds, held-out accuracy), raw
+    smooth_evals: int = 1  # k: time to target and final accuracy use the trailing mean of k eval points
+    final_accuracy_last: float | None = None  # the last evaluation alone (None: same as final_accuracy)
 
 
 def _mean(steps: list[StepRecord], key: str) -> float:
@@ -65,8 +77,17 @@ def time_to_target(curve: list[tuple[float, float]], target: float) -> float | N
     return None
 
 
-def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None) -> ModeResult:
-    """A run directory's figures (``target`` None: no time-to-target yet)."""
+def smoothed(curve: list[tuple[float, float]], k: int) -> list[tuple[float, float]]:
+    """Trailing mean of the last ``k`` points (fewer at the start), at each point's time."""
+    if k < 1:
+        raise ValueError(f"smooth_evals must be >= 1, got {k}")
+    accs = [a for _, a in curve]
+    return [(t, statistics.fmean(accs[max(0, i - k + 1): i + 1])) for i, (t, _) in enumerate(curve)]
+
+
+def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None,
+              smooth_evals: int = 1) -> ModeResult:
+    """A run directory's figures (``target`` None: no time-to-target yet; ``smooth_evals``: see the module)."""
     steps = read_steps(run_dir)
     if not steps:
         raise RuntimeError(f"{run_dir}: no steps were recorded")
@@ -84,14 +105,15 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None) -
     ran = [r for r in steps if r.metrics.get("generated_tokens", 0.0) > 0]
     return ModeResult(
         mode=mode, seed=seed, run_dir=str(run_dir), steps=len(steps), wall_s=wall, baseline_accuracy=curve[0][1],
-        final_accuracy=curve[-1][1], target_accuracy=target,
-        time_to_target_s=time_to_target(curve, target) if target is not None else None,
+        final_accuracy=statistics.fmean(a for _, a in curve[1:][-smooth_evals:] or curve[-1:]),
+        final_accuracy_last=curve[-1][1], target_accuracy=target,
+        time_to_target_s=time_to_target(smoothed(curve, smooth_evals), target) if target is not None else None,
         generated_tokens_per_s=gen / max(wall, 1e-9), engine_tokens_per_s=gen / max(engine_s, 1e-9),
         trained_tokens_per_s=trained / max(wall, 1e-9),
         trainer_idle=_mean(steps, "trainer_idle_fraction"), generator_idle=_mean(steps, "generator_idle_fraction"),
         staleness_mean=_mean(steps, "staleness_mean"), replay_share=_mean(steps, "replay_share"),
         bubble_ratio=_mean(ran, "rollout_bubble_ratio") if any("rollout_bubble_ratio" in r.metrics for r in steps)
-        else None, eval_curve=curve)
+        else None, eval_curve=curve, smooth_evals=smooth_evals)
 
 
 def default_target(sync: ModeResult, share: float = 0.75) -> float:
@@ -102,7 +124,8 @@ def default_target(sync: ModeResult, share: float = 0.75) -> float:
 
 def with_target(result: ModeResult, target: float) -> ModeResult:
     data = asdict(result)
-    data.update(target_accuracy=target, time_to_target_s=time_to_target(result.eval_curve, target))
+    data.update(target_accuracy=target,
+                time_to_target_s=time_to_target(smoothed(result.eval_curve, result.smooth_evals), target))
     data["eval_curve"] = [tuple(p) for p in data["eval_curve"]]
     return ModeResult(**data)
 
@@ -170,8 +193,15 @@ def plot(results: list[ModeResult], path: Path) -> Path:
     colours = dict(zip(dict.fromkeys(r.mode for r in results), plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     labelled: set[str] = set()
     for r in results:
-        ax.plot([p[0] for p in r.eval_curve], [p[1] for p in r.eval_curve], "o-", color=colours[r.mode], ms=3,
-                alpha=0.85, label=None if r.mode in labelled else r.mode)
+        label = None if r.mode in labelled else r.mode
+        if r.smooth_evals > 1:  # raw evaluations as dots, the trailing mean the figures use as the line
+            ax.plot([p[0] for p in r.eval_curve], [p[1] for p in r.eval_curve], "o", color=colours[r.mode], ms=2.5,
+                    alpha=0.4)
+            line = smoothed(r.eval_curve, r.smooth_evals)
+            ax.plot([p[0] for p in line], [p[1] for p in line], "-", color=colours[r.mode], alpha=0.9, label=label)
+        else:
+            ax.plot([p[0] for p in r.eval_curve], [p[1] for p in r.eval_curve], "o-", color=colours[r.mode], ms=3,
+                    alpha=0.85, label=label)
         labelled.add(r.mode)
     targets = {r.target_accuracy for r in results if r.target_accuracy is not None}
     for t in targets:
@@ -180,7 +210,8 @@ def plot(results: list[ModeResult], path: Path) -> Path:
     ax.set_ylabel("held-out accuracy")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title("accuracy vs time per mode")
+    k = max((r.smooth_evals for r in results), default=1)
+    ax.set_title("accuracy vs time per mode" + (f" (lines: trailing mean of {k} evaluations)" if k > 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

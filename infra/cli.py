@@ -60,6 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--queries", type=int, default=50, help="timed selections")
     bench.add_argument("--rebuild", action="store_true", help="rebuild the tables under --root")
     bench.add_argument("--out", metavar="DIR", help="also write DIR/bench_sampler.json")
+    eng = sub.add_parser("bench-engine", help="generated tokens/s of the vLLM engine at fixed numbers of running "
+                         "sequences (what filling engine slots buys on this machine)")
+    _add_config_args(eng)
+    eng.add_argument("--concurrency", default="8,16,32,64,128,256",
+                     help="comma-separated numbers of running sequences (default: 8,16,32,64,128,256)")
+    eng.add_argument("--steps", type=int, default=60, help="timed engine steps per point (default 60)")
+    eng.add_argument("--warmup", type=int, default=10, help="untimed engine steps before each point (default 10)")
+    eng.add_argument("--prefill-tokens", default="32,128",
+                     help="also time prefilling 256 requests of each of these prompt lengths (default: 32,128; "
+                          "empty: skip)")
+    eng.add_argument("--out", metavar="DIR", help="also write DIR/bench_engine.json")
     modes = sub.add_parser("bench", help="run the same workload under several modes and compare them")
     _add_config_args(modes)
     modes.add_argument("--modes", default="sync,one_step_off,async,reflow,sorted_on_policy,sorted_partial",
@@ -68,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
     modes.add_argument("--target-accuracy", type=float, default=None,
                        help="held-out accuracy to time (default: warm-start + 75%% of sync's gain)")
+    modes.add_argument("--smooth-evals", type=int, default=3, metavar="K",
+                       help="read time to target and final accuracy off the trailing mean of K evaluations "
+                            "(default 3; 1: single evaluations)")
     modes.add_argument("--out", metavar="DIR", required=True, help="where bench.json, bench.png and the runs go")
     query = sub.add_parser("query", help="run SQL over a run's Delta tables (trajectories, usage, rollout_cache)")
     query.add_argument("sql", help='SQL (DataFusion dialect), e.g. "SELECT count(*) FROM trajectories"')
@@ -263,6 +277,62 @@ def _cmd_bench_sampler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise InputError(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}") from None
+    try:
+        prefill_lengths = [int(c) for c in args.prefill_tokens.split(",") if c.strip()]
+    except ValueError:
+        raise InputError(f"--prefill-tokens: expected comma-separated integers, got {args.prefill_tokens!r}") from None
+    if prefill_lengths and min(prefill_lengths) < 1:
+        raise InputError("--prefill-tokens values must be >= 1")
+    if not levels or min(levels) < 1 or args.steps < 1 or args.warmup < 0:
+        raise InputError("--concurrency values and --steps must be >= 1, --warmup >= 0")
+    cfg = load_config(args.config, args.overrides)
+    if cfg.rollout.engine != "vllm":
+        raise InputError("bench-engine measures the vLLM engine; set rollout.engine = \"vllm\"")
+    _quiet_environment(False)
+    threads = cfg.resources.torch_threads
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # as the engine actor runs (before torch loads)
+    import dataclasses
+
+    import torch
+
+    from reflow.policies.engine_bench import measure_prefill, sweep
+    from reflow.policies.engines import VLLMEngine
+    from reflow.tasks.context import _env, _tokenizer
+    from reflow.tasks.lifecycle import _engine_settings, resolve_model_dir
+
+    torch.set_num_threads(threads)
+    model_dir = resolve_model_dir(cfg)
+    settings = dataclasses.replace(_engine_settings(cfg, model_dir), max_concurrent_sequences=max(levels))
+    env = _env(cfg.env.model_dump_json(), cfg.run.seed, model_dir)
+    prompts = env.prompts("train", start=0, count=512)
+    tokens = _tokenizer(model_dir)([p.text for p in prompts], add_special_tokens=False)["input_ids"]
+    print(f"vLLM engine, {threads} thread(s), {cfg.env.kind} prompts, up to {cfg.rollout.max_response_tokens} "
+          f"tokens per response; {args.steps} timed steps per point", flush=True)
+    engine = VLLMEngine(settings)
+    rows = sweep(engine, tokens, levels, cfg.rollout.max_response_tokens, steps=args.steps, warmup=args.warmup)
+    base = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["vs_first"] = row["tokens_per_s"] / max(base, 1e-9)
+    print(f"tokens/s relative to {rows[0]['concurrency']} running: "
+          + ", ".join(f"{r['concurrency']}: {r['vs_first']:.2f}x" for r in rows), flush=True)
+    prefill = []
+    for length in prefill_lengths:
+        point = measure_prefill(engine, tokens, min(256, settings.max_concurrent_sequences), length, tag=f"p{length}")
+        print(f"  prefill {point['requests']} x {length} tokens: {point['prefill_tokens_per_s']:8.0f} prompt "
+              f"tokens/s ({point['seconds']:.2f} s)", flush=True)
+        prefill.append(point)
+    figures = {"engine": "vllm", "threads": threads, "model_dir": model_dir, "points": rows, "prefill": prefill}
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_engine.json").write_text(json.dumps(figures, indent=2))
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     known = ("sync", "one_step_off", "async", "reflow", "sorted_on_policy", "sorted_partial")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -277,6 +347,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise InputError("--seeds: give at least one seed")
     if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
         raise InputError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
+    if args.smooth_evals < 1:
+        raise InputError(f"--smooth-evals must be >= 1, got {args.smooth_evals}")
     cfg = load_config(args.config, args.overrides)  # validate once, before any run starts
     preflight(cfg)
     if cfg.env.eval_prompts == 0:
@@ -289,7 +361,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from reflow.flows.bench import bench_flow
 
     bench_flow(config=args.config, overrides=list(args.overrides), modes=modes, seeds=seeds, out=str(out.resolve()),
-               target=args.target_accuracy)
+               target=args.target_accuracy, smooth_evals=args.smooth_evals)
     return 0
 
 
@@ -440,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     interrupt_on_signals()
     handlers = {"run": _cmd_run, "resume": _cmd_resume, "serve": _cmd_serve, "config": _cmd_config,
-                "bench-sampler": _cmd_bench_sampler, "bench": _cmd_bench, "query": _cmd_query,
+                "bench-sampler": _cmd_bench_sampler, "bench-engine": _cmd_bench_engine, "bench": _cmd_bench, "query": _cmd_query,
                 "maintain": _cmd_maintain, "reproduce": _cmd_reproduce}
     handler = _cmd_model_init if args.command == "model" else handlers[args.command]
     try:

@@ -82,6 +82,8 @@ class RoundStats:
     resumed: int  # partial responses resumed in this round
     aborted: int  # requests aborted at the round's end
     cached_groups: int  # groups left in the cache after the round
+    prefill_tokens: int = 0  # tokens the engine had to prefill: every started request's prompt plus resumed prefix
+    resumed_tokens: int = 0  # of which resumed prefixes (their KV cache was dropped with the old weights)
 
     @property
     def bubble_ratio(self) -> float:
@@ -220,7 +222,9 @@ class SortedScheduler:
                            busy_slot_seconds=run.busy_slot_seconds,
                            slots=min(len(queue), engine.max_sequences), requests=len(started),
                            resumed=sum(1 for r in started if r.resume_tokens), aborted=len(run.aborted),
-                           cached_groups=len(self.groups))
+                           cached_groups=len(self.groups),
+                           prefill_tokens=sum(len(r.prompt_tokens) + len(r.resume_tokens) for r in started),
+                           resumed_tokens=sum(prefix.values()))
         return RoundResult(trainable=trainable, stats=stats)
 
     def _complete(self) -> list[int]:

@@ -75,7 +75,7 @@ def deployments(out_dir: str) -> list:
     module = EntrypointType.MODULE_PATH
     bench_defaults = {"config": str(CONFIGS / "bench.toml"), "overrides": [], "seeds": [0],
                       "modes": ["sync", "one_step_off", "async", "reflow", "sorted_on_policy", "sorted_partial"],
-                      "out": os.path.join(out_dir, "bench"), "target": None}
+                      "out": os.path.join(out_dir, "bench"), "target": None, "smooth_evals": 3}
     return [train.to_deployment(name="train", entrypoint_type=module, tags=["reflow"],
                                 parameters={"settings": {"run": {"out_dir": out_dir}}},
                                 description="Train a policy (choose an experiment file, fill in any field)."),

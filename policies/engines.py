@@ -268,6 +268,10 @@ class VLLMEngine:
     def pending_ids(self) -> list[str]:
         return list(self._pending)
 
+    def tokens_in_flight(self) -> int:
+        """Tokens the unfinished requests have generated so far (resumed ones included)."""
+        return sum(len(p.tokens) for p in self._pending.values())
+
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Load ``state`` (Hugging Face names) into the running model, in place.
 

@@ -34,6 +34,7 @@ def step_metrics(run_dir: str, scored: ScoreSummary, updated: UpdateSummary, syn
         "trainer_idle_fraction": max(0.0, 1.0 - updated.trainer_seconds / step_s),
         "rollout_bubble_ratio": scored.bubble_ratio, "resumed_requests": float(scored.resumed),
         "aborted_requests": float(scored.aborted), "cached_groups": float(scored.cached_groups),
+        "prefill_tokens": float(scored.prefill_tokens), "resumed_prefix_tokens": float(scored.resumed_tokens),
         "tool_calls": float(scored.tool_calls),
         "staleness_mean": updated.staleness_mean, "staleness_max": float(updated.staleness_max),
         "policy_version": float(updated.version), "samples": float(scored.num_samples),

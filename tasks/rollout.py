@@ -52,6 +52,8 @@ class ScoreSummary:
     resumed: int = 0  # sorted rounds: partial responses resumed
     aborted: int = 0  # sorted rounds: requests aborted at the round's end
     cached_groups: int = 0  # sorted rounds: groups left in the rollout cache
+    prefill_tokens: int = 0  # prompt tokens the engine prefilled (sorted rounds: resumed prefixes included)
+    resumed_tokens: int = 0  # sorted rounds: resumed prefixes prefilled again
     tool_calls: int = 0  # tool outputs appended (multi-turn tool use)
 
 
@@ -166,7 +168,8 @@ def score(run_dir: str, handle: RolloutHandle) -> ScoreSummary:
                         length_p99=float(np.percentile(lengths, 99)), generated_tokens=int(lengths.sum()),
                         generation_seconds=batch.seconds, seconds=ctx.clock.now() - start,
                         tool_calls=sum(tool_calls(r.loss_mask) for r in records),
-                        bubble_ratio=max(0.0, 1.0 - batch.busy_slot_seconds / max(batch.slots * batch.seconds, 1e-9)))
+                        bubble_ratio=max(0.0, 1.0 - batch.busy_slot_seconds / max(batch.slots * batch.seconds, 1e-9)),
+                        prefill_tokens=sum(len(prompt_tokens[pid]) for pid in pids))
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)

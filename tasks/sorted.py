@@ -100,4 +100,5 @@ def sorted_round(run_dir: str, step: int) -> ScoreSummary:
                         length_p99=float(np.percentile(lengths, 99)), generated_tokens=st.generated_tokens,
                         generation_seconds=st.seconds, seconds=ctx.clock.now() - start,
                         bubble_ratio=st.bubble_ratio, resumed=st.resumed, aborted=st.aborted,
-                        cached_groups=st.cached_groups)
+                        cached_groups=st.cached_groups, prefill_tokens=st.prefill_tokens,
+                        resumed_tokens=st.resumed_tokens)

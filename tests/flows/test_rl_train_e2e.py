@@ -123,6 +123,9 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
     for run in report["runs"]:
         assert run["steps"] == 6 and run["wall_s"] > 0 and run["generated_tokens_per_s"] > 0
         assert len(run["eval_curve"]) == 4  # warm start + steps 2, 4, 6 (smoke evaluates every 2 steps)
+        # default --smooth-evals 3: final accuracy is the mean of the last three evaluations
+        assert run["smooth_evals"] == 3 and run["final_accuracy_last"] == run["eval_curve"][-1][1]
+        assert run["final_accuracy"] == pytest.approx(sum(a for _, a in run["eval_curve"][1:]) / 3)
     for mode in ("sync", "async", "reflow", "sorted_partial"):
         assert mode in proc.stdout
 

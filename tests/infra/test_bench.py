@@ -86,3 +86,25 @@ def test_the_bubble_is_averaged_over_rounds_that_opened(tmp_path: Path) -> None:
         append_step(run_dir, StepRecord(step=step, policy_version=step + 1, elapsed_s=step + 1.0, metrics=m))
     assert bench.summarise("sorted_partial", 0, run_dir, None).bubble_ratio == pytest.approx(0.07)
     assert bench.summarise("async", 0, _run(tmp_path, "a", {5: 0.3}, 1.0, {}), None).bubble_ratio is None
+
+
+def test_smoothed_curve_is_a_trailing_mean() -> None:
+    curve = [(0.0, 0.2), (10.0, 0.5), (20.0, 0.3), (30.0, 0.45), (40.0, 0.5)]
+    line = bench.smoothed(curve, 3)
+    assert [t for t, _ in line] == [0.0, 10.0, 20.0, 30.0, 40.0]
+    assert [a for _, a in line] == pytest.approx([0.2, 0.35, 1 / 3, 1.25 / 3, 1.25 / 3])
+    assert bench.smoothed(curve, 1) == curve
+    # one lucky evaluation at 10 s crosses 0.4 alone; the trailing mean crosses between 20 and 30 s
+    assert bench.time_to_target(curve, 0.4) == pytest.approx(10 * 0.2 / 0.3)
+    assert bench.time_to_target(line, 0.4) == pytest.approx(20 + 10 * (0.4 - 1 / 3) / (1.25 / 3 - 1 / 3))
+    with pytest.raises(ValueError, match="smooth_evals"):
+        bench.smoothed(curve, 0)
+
+
+def test_summarise_with_smoothing_averages_the_last_evaluations(tmp_path: Path) -> None:
+    r = bench.summarise("sync", 0, _run(tmp_path, "s", {1: 0.3, 3: 0.5, 5: 0.4}, 10.0, {}), 0.35, smooth_evals=2)
+    assert r.final_accuracy == pytest.approx(0.45) and r.final_accuracy_last == pytest.approx(0.4)
+    # trailing means of two: 0.2, 0.25, 0.4 (at 40 s), 0.45 -> 0.35 is crossed at 20 + 20 * (0.1 / 0.15)
+    assert r.time_to_target_s == pytest.approx(20 + 20 * (0.1 / 0.15))
+    assert bench.with_target(r, 0.45).time_to_target_s == pytest.approx(60.0)
+    assert bench.default_target(r) == pytest.approx(0.2 + 0.75 * 0.25)
