@@ -512,8 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     interrupt_on_signals()
     handlers = {"run": _cmd_run, "resume": _cmd_resume, "serve": _cmd_serve, "config": _cmd_config,
-                "bench-sampler": _cmd_bench_sampler, "bench-engine": _cmd_bench_engine, "bench": _cmd_bench, "query": _cmd_query,
-                "maintain": _cmd_maintain, "reproduce": _cmd_reproduce}
+                "bench-sampler": _cmd_bench_sampler, "bench-engine": _cmd_bench_engine, "bench": _cmd_bench,
+                "query": _cmd_query, "maintain": _cmd_maintain, "reproduce": _cmd_reproduce}
     handler = _cmd_model_init if args.command == "model" else handlers[args.command]
     try:
         return handler(args)

@@ -69,8 +69,9 @@ def test_bench_engine_refuses_bad_levels() -> None:
 @pytest.mark.slow
 def test_bench_engine_on_vllm(random_model_dir: Path, tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "reflow.infra.cli", "bench-engine", "--set", f"model.path={json.dumps(str(random_model_dir))}",
-         "--set", "model.dtype=\"float32\"", "--set", "rollout.engine=\"vllm\"", "--set", "rollout.max_response_tokens=32",
+        [sys.executable, "-m", "reflow.infra.cli", "bench-engine",
+         "--set", f"model.path={json.dumps(str(random_model_dir))}", "--set", "model.dtype=\"float32\"",
+         "--set", "rollout.engine=\"vllm\"", "--set", "rollout.max_response_tokens=32",
          "--concurrency", "2,8", "--steps", "6", "--warmup", "2", "--prefill-tokens", "16", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ})
     assert proc.returncode == 0, proc.stderr[-4000:]
