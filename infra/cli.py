@@ -60,16 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--queries", type=int, default=50, help="timed selections")
     bench.add_argument("--rebuild", action="store_true", help="rebuild the tables under --root")
     bench.add_argument("--out", metavar="DIR", help="also write DIR/bench_sampler.json")
-    eng = sub.add_parser("bench-engine", help="generated tokens/s of the vLLM engine at fixed numbers of running "
-                         "sequences (what filling engine slots buys on this machine)")
+    eng = sub.add_parser("bench-engine", help="vLLM generated tokens/s at fixed numbers of running sequences")
     _add_config_args(eng)
-    eng.add_argument("--concurrency", default="8,16,32,64,128,256",
-                     help="comma-separated numbers of running sequences (default: 8,16,32,64,128,256)")
+    eng.add_argument("--concurrency", default="8,16,32,64,128,256", help="running sequences per point")
     eng.add_argument("--steps", type=int, default=60, help="timed engine steps per point (default 60)")
     eng.add_argument("--warmup", type=int, default=10, help="untimed engine steps before each point (default 10)")
-    eng.add_argument("--prefill-tokens", default="32,128",
-                     help="also time prefilling 256 requests of each of these prompt lengths (default: 32,128; "
-                          "empty: skip)")
+    eng.add_argument("--prefill-tokens", default="32,128", help="then time prefilling 256 prompts of each length")
     eng.add_argument("--out", metavar="DIR", help="also write DIR/bench_engine.json")
     modes = sub.add_parser("bench", help="run the same workload under several modes and compare them")
     _add_config_args(modes)
@@ -277,15 +273,17 @@ def _cmd_bench_sampler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    """Comma-separated integers of option ``flag``; InputError naming it otherwise."""
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise InputError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
-    try:
-        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    except ValueError:
-        raise InputError(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}") from None
-    try:
-        prefill_lengths = [int(c) for c in args.prefill_tokens.split(",") if c.strip()]
-    except ValueError:
-        raise InputError(f"--prefill-tokens: expected comma-separated integers, got {args.prefill_tokens!r}") from None
+    levels = _int_list(args.concurrency, "--concurrency")
+    prefill_lengths = _int_list(args.prefill_tokens, "--prefill-tokens")
     if prefill_lengths and min(prefill_lengths) < 1:
         raise InputError("--prefill-tokens values must be >= 1")
     if not levels or min(levels) < 1 or args.steps < 1 or args.warmup < 0:
@@ -294,39 +292,11 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     if cfg.rollout.engine != "vllm":
         raise InputError("bench-engine measures the vLLM engine; set rollout.engine = \"vllm\"")
     _quiet_environment(False)
-    threads = cfg.resources.torch_threads
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # as the engine actor runs (before torch loads)
-    import dataclasses
+    os.environ["OMP_NUM_THREADS"] = str(cfg.resources.torch_threads)  # as the engine actor runs (before torch loads)
+    from reflow.infra.engine_bench import bench_engine
 
-    import torch
-
-    from reflow.policies.engine_bench import measure_prefill, sweep
-    from reflow.policies.engines import VLLMEngine
-    from reflow.tasks.context import _env, _tokenizer
-    from reflow.tasks.lifecycle import _engine_settings, resolve_model_dir
-
-    torch.set_num_threads(threads)
-    model_dir = resolve_model_dir(cfg)
-    settings = dataclasses.replace(_engine_settings(cfg, model_dir), max_concurrent_sequences=max(levels))
-    env = _env(cfg.env.model_dump_json(), cfg.run.seed, model_dir)
-    prompts = env.prompts("train", start=0, count=512)
-    tokens = _tokenizer(model_dir)([p.text for p in prompts], add_special_tokens=False)["input_ids"]
-    print(f"vLLM engine, {threads} thread(s), {cfg.env.kind} prompts, up to {cfg.rollout.max_response_tokens} "
-          f"tokens per response; {args.steps} timed steps per point", flush=True)
-    engine = VLLMEngine(settings)
-    rows = sweep(engine, tokens, levels, cfg.rollout.max_response_tokens, steps=args.steps, warmup=args.warmup)
-    base = rows[0]["tokens_per_s"]
-    for row in rows:
-        row["vs_first"] = row["tokens_per_s"] / max(base, 1e-9)
-    print(f"tokens/s relative to {rows[0]['concurrency']} running: "
-          + ", ".join(f"{r['concurrency']}: {r['vs_first']:.2f}x" for r in rows), flush=True)
-    prefill = []
-    for length in prefill_lengths:
-        point = measure_prefill(engine, tokens, min(256, settings.max_concurrent_sequences), length, tag=f"p{length}")
-        print(f"  prefill {point['requests']} x {length} tokens: {point['prefill_tokens_per_s']:8.0f} prompt "
-              f"tokens/s ({point['seconds']:.2f} s)", flush=True)
-        prefill.append(point)
-    figures = {"engine": "vllm", "threads": threads, "model_dir": model_dir, "points": rows, "prefill": prefill}
+    figures = bench_engine(cfg, levels, args.steps, args.warmup, prefill_lengths,
+                           progress=lambda line: print(line, flush=True))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_engine.json").write_text(json.dumps(figures, indent=2))
@@ -339,10 +309,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in known]
     if not modes or bad:
         raise InputError(f"--modes: unknown mode(s) {bad or modes}; choose from {', '.join(known)}")
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        raise InputError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    seeds = _int_list(args.seeds, "--seeds")
     if not seeds:
         raise InputError("--seeds: give at least one seed")
     if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
