@@ -115,13 +115,15 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> lis
     fresh_per_step = max(1, math.ceil((1 - b.replay_ratio) * groups)) if replay else groups
     clock = SystemClock()
     state = LoopState()
-    maximum = cfg.rollout.max_concurrent_sequences if c.adaptive else c.initial_sequences
-    minimum = c.min_sequences if c.adaptive else c.initial_sequences
-    controller = ConcurrencyController(c.initial_sequences, minimum, maximum, c.increase, c.decrease,
-                                       window_s=c.window_s)
+    engines = 1 + cfg.resources.elastic_engines  # the target is the pool's: each engine's share scales with it
+    initial = c.initial_sequences * engines
+    maximum = cfg.rollout.max_concurrent_sequences * engines if c.adaptive else initial
+    minimum = c.min_sequences if c.adaptive else initial
+    controller = ConcurrencyController(initial, minimum, maximum, c.increase, c.decrease, window_s=c.window_s)
     # The gate counts whole batches in both modes: reflow trains on fresh groups first, so it consumes a full
     # batch of them whenever they are there, and a gate sized by its minimum fresh share starves the engine.
-    feeder = FeederLoop(RayFeeder(run_dir), state, StalenessGate(b.max_staleness_versions, groups, groups),
+    backend = RayFeeder(run_dir)
+    feeder = FeederLoop(backend, state, StalenessGate(b.max_staleness_versions, groups, groups),
                         controller, clock, window_s=b.drain_window_s,
                         write_min_groups=max(1, fresh_per_step // 4))
     at = stream_position(run_dir)
@@ -141,8 +143,8 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> lis
             tracks.drain()  # a checkpointed step is logged: a resume continues after it
         _after_step(cfg, run_dir, step, updated.version, snapshots)
 
-    selector = SelectorLoop(RaySelector(run_dir, state, controller, on_step, replay), state, groups, clock,
-                            min_unused_groups=fresh_per_step)
+    selector = SelectorLoop(RaySelector(run_dir, state, controller, on_step, replay, backend.tokens_by_engine),
+                            state, groups, clock, min_unused_groups=fresh_per_step)
     # The feeder's tasks run in its thread inside this flow run (the context carries the run).
     thread = threading.Thread(target=contextvars.copy_context().run, args=(feeder.run,), name="feeder", daemon=True)
     thread.start()

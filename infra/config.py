@@ -255,6 +255,11 @@ class ResourcesConfig(_Section):
     num_cpus: int | None = Field(None, ge=1, le=100_000, description="CPUs for a local Ray (unset: all).")
     engine_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per engine actor.")
     trainer_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per trainer actor.")
+    elastic_engines: int = Field(0, ge=0, le=64, description="Extra engine actors that reserve no CPU: they "
+                                 "run at the lowest OS priority (nice 19) on the cycles the trainer and the "
+                                 "control plane leave, so they generate while the trainer waits and yield the "
+                                 "moment it trains (ReFlow's elastic role, on one machine). Plain rounds, async "
+                                 "and reflow use them; sorted rounds do not.")
     engine_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per engine actor.")
     trainer_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per trainer actor.")
     torch_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads per actor and of the tiny "
@@ -324,6 +329,9 @@ class ReflowConfig(_Section):
                 raise ValueError(f"rollout.scheduling={r.scheduling!r} needs mode.kind='sync' (the streaming modes "
                                  "already resume partial responses across updates: use 'sorted_partial' or 'plain' "
                                  "there)")
+        if self.resources.elastic_engines and r.scheduling != "plain" and self.mode.kind == "sync":
+            raise ValueError(f"resources.elastic_engines > 0 needs rollout.scheduling='plain' in mode 'sync' (a "
+                             f"sorted round runs on one engine; got {r.scheduling!r})")
         if self.env.kind == "tool_calc" and self.tools.max_calls == 0:
             raise ValueError("env.kind='tool_calc' needs tool calls: set tools.max_calls >= 1")
         if self.env.kind == "tool_calc" and self.env.max_operand < 100:

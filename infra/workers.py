@@ -16,6 +16,10 @@ import ray
 from reflow.infra.config import ReflowConfig
 
 
+# The priority of elastic engines (``resources.elastic_engines``): the lowest, so they never slow the trainer.
+ELASTIC_NICE = 19
+
+
 def _quiet_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING",
             "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1",
@@ -39,19 +43,25 @@ class EngineWorker:
     initial ones. Each start has its own ``incarnation``: callers that
     submitted requests to an earlier one re-submit those still unfinished.
 
+    With ``nice`` (``ELASTIC_NICE`` for ``resources.elastic_engines``) the
+    process lowers its own priority first, so it generates on spare cycles
+    only and yields the CPU to the trainer and the main engine.
+
     With ``tools`` (``infra.multiturn.ToolSettings``) and ``tool_fn`` (what one
     tool call runs, e.g. ``envs.tools.run_tool_call``) the engine is wrapped in
     a ``MultiTurnEngine``: tool calls run as Ray tasks while generation goes on.
     """
 
     def __init__(self, kind: str, settings: Any, version: int = 0, trainer: str | None = None,
-                 tools: Any = None, tool_fn: Any = None) -> None:
+                 tools: Any = None, tool_fn: Any = None, nice: int = 0) -> None:
         import uuid
 
         import torch
 
         from reflow.policies.engines import make_engine
 
+        if nice:  # an elastic engine: the OS runs it only on cycles nobody at normal priority wants
+            os.nice(nice)
         torch.set_num_threads(settings.threads)
         self._incarnation = uuid.uuid4().hex
         if trainer is not None and _restarted():
@@ -291,7 +301,10 @@ def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
     if cfg.resources.ray_address:
         ray.init(address=cfg.resources.ray_address, **kwargs)
     else:
-        ray.init(num_cpus=cfg.resources.num_cpus, include_dashboard=False, **kwargs)
+        # Ray starts its workers at nice 15 by default, below this driver and the Prefect server; at 0 the
+        # engines and the trainer are not, and an elastic engine (nice 19) is below all of them.
+        ray.init(num_cpus=cfg.resources.num_cpus, include_dashboard=False,
+                 _system_config={"worker_niceness": 0}, **kwargs)
     from reflow.infra.signals import interrupt_on_signals
 
     interrupt_on_signals()  # Ray replaced the handler
@@ -300,9 +313,9 @@ def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
 def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root: str,
                    engine_settings: Any, version: int = 0, run_dir: str | None = None,
                    run_id: str | None = None, tool_fn: Any = None) -> Placement:
-    """Create the engine and trainer actors and wait until both are ready.
+    """Create the engine actors (the main one plus ``resources.elastic_engines``) and the trainer; wait for all.
 
-    Both are restarted by Ray up to ``resources.max_actor_restarts`` times if
+    All are restarted by Ray up to ``resources.max_actor_restarts`` times if
     their process dies, and the calls in flight are re-issued (see the
     classes for how each restores its state). With ``cfg.tools.max_calls > 0``
     the engine runs multi-turn tool use and ``tool_fn`` (transcript,
@@ -322,19 +335,20 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
     res = cfg.resources
     env = {"env_vars": _quiet_env(res.torch_threads)}
     restarts = {"max_restarts": res.max_actor_restarts, "max_task_retries": -1 if res.max_actor_restarts else 0}
-    engine_name = "engine-0"
     trainer_name = "trainer"
-    engine = ray.remote(EngineWorker).options(
-        name=engine_name, namespace=namespace, num_cpus=res.engine_cpus, num_gpus=res.engine_gpus,
-        runtime_env=env, max_concurrency=1, **restarts).remote(cfg.rollout.engine, engine_settings, version,
-                                                                trainer_name, tools, tool_fn)
+    engine_names = tuple(f"engine-{i}" for i in range(1 + res.elastic_engines))
+    engines = [ray.remote(EngineWorker).options(
+        name=name, namespace=namespace, num_cpus=res.engine_cpus if i == 0 else 0,
+        num_gpus=res.engine_gpus if i == 0 else 0, runtime_env=env, max_concurrency=1, **restarts).remote(
+            cfg.rollout.engine, engine_settings, version, trainer_name, tools, tool_fn, ELASTIC_NICE if i else 0)
+        for i, name in enumerate(engine_names)]
     trainer = ray.remote(TrainerWorker).options(
         name=trainer_name, namespace=namespace, num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
         runtime_env=env, **restarts).remote(model_dir, config_to_json(cfg), store_root, res.torch_threads,
                                             run_dir, run_id)
-    _HANDLES[namespace] = [engine, trainer]
-    ray.get([engine.version.remote(), trainer.version.remote()])
-    return Placement(namespace=namespace, engines=(engine_name,), trainer=trainer_name)
+    _HANDLES[namespace] = [*engines, trainer]
+    ray.get([*(e.version.remote() for e in engines), trainer.version.remote()])
+    return Placement(namespace=namespace, engines=engine_names, trainer=trainer_name)
 
 
 def actor(name: str, namespace: str) -> Any:

@@ -36,6 +36,7 @@ def step_metrics(run_dir: str, scored: ScoreSummary, updated: UpdateSummary, syn
         "aborted_requests": float(scored.aborted), "cached_groups": float(scored.cached_groups),
         "prefill_tokens": float(scored.prefill_tokens), "resumed_prefix_tokens": float(scored.resumed_tokens),
         "tool_calls": float(scored.tool_calls),
+        "elastic_token_share": scored.elastic_tokens / max(scored.generated_tokens, 1),
         "staleness_mean": updated.staleness_mean, "staleness_max": float(updated.staleness_max),
         "policy_version": float(updated.version), "samples": float(scored.num_samples),
         "trajectories_delta_version": float(scored.delta_version if scored.delta_version is not None else -1),

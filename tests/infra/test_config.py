@@ -94,3 +94,13 @@ def test_tools_cross_checks() -> None:
         load_config(None, ["env.kind=tool_calc", "tools.max_calls=1"])
     with pytest.raises(ConfigError, match="rollout.scheduling='plain'"):
         load_config(None, [*base, "rollout.scheduling=sorted_on_policy"])
+
+
+def test_elastic_engines_need_plain_rounds() -> None:
+    assert load_config(None, ["resources.elastic_engines=1"]).resources.elastic_engines == 1
+    assert load_config(None, ["resources.elastic_engines=1", "mode.kind=reflow",
+                              "rollout.scheduling=sorted_partial"]).resources.elastic_engines == 1
+    with pytest.raises(ConfigError, match="resources.elastic_engines > 0 needs rollout.scheduling='plain'"):
+        load_config(None, ["resources.elastic_engines=1", "rollout.scheduling=sorted_partial"])
+    with pytest.raises(ConfigError, match="resources.elastic_engines"):
+        load_config(None, ["resources.elastic_engines=-1"])

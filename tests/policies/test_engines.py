@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from reflow.infra.config import TrainConfig
-from reflow.policies.engines import EngineSettings, GenRequest, TransformersEngine, generate_all
+from reflow.policies.engines import (EngineSettings, GenBatch, GenRequest, TransformersEngine, generate_all,
+                                     merge_batches)
 from reflow.policies.tokenizer import EOS_ID
 from reflow.policies.trainer import Trainer
 
@@ -171,3 +172,14 @@ def test_vllm_engine_logprobs_match_trainer_before_and_after_update(random_model
         prompt = [10 + int(res["request_id"][1:]), 11, 12]
         expected = _trainer_logprobs(random_model_dir, prompt, res["response_tokens"], state)[keep:]
         assert torch.allclose(torch.tensor(res["logprobs"][keep:]), expected, atol=2e-3), res["request_id"]
+
+
+def test_merge_batches_keeps_every_result_and_counts_idle_slots_of_the_early_engine() -> None:
+    a = GenBatch(results=["a1", "a2"], seconds=2.0, busy_slot_seconds=3.0, slots=2)
+    b = GenBatch(results=["b1"], seconds=1.0, busy_slot_seconds=1.0, slots=2)
+    merged = merge_batches([a, b])
+    assert merged.results == ["a1", "a2", "b1"]
+    assert merged.seconds == 2.0  # the round lasts as long as its slowest engine
+    assert merged.busy_slot_seconds == 4.0 and merged.slots == 4
+    # bubble: 1 - 4 / (4 x 2) = 0.5; b's two slots sat empty for its last second
+    assert 1 - merged.busy_slot_seconds / (merged.slots * merged.seconds) == pytest.approx(0.5)
