@@ -256,10 +256,10 @@ class ResourcesConfig(_Section):
     engine_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per engine actor.")
     trainer_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per trainer actor.")
     elastic_engines: int = Field(0, ge=0, le=64, description="Extra engine actors that reserve no CPU: they "
-                                 "run at the lowest OS priority (nice 19) on the cycles the trainer and the "
-                                 "control plane leave, so they generate while the trainer waits and yield the "
-                                 "moment it trains (ReFlow's elastic role, on one machine). Plain rounds, async "
-                                 "and reflow use them; sorted rounds do not.")
+                                 "run at the lowest OS priority (nice 19, below Ray's workers at 15) on the "
+                                 "cycles the trainer and the control plane leave, so they generate while the "
+                                 "trainer waits and mostly yield while it trains (ReFlow's elastic role, on one "
+                                 "machine). Plain rounds, async and reflow use them; sorted rounds do not.")
     engine_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per engine actor.")
     trainer_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per trainer actor.")
     torch_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads per actor and of the tiny "

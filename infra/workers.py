@@ -44,8 +44,10 @@ class EngineWorker:
     submitted requests to an earlier one re-submit those still unfinished.
 
     With ``nice`` (``ELASTIC_NICE`` for ``resources.elastic_engines``) the
-    process lowers its own priority first, so it generates on spare cycles
-    only and yields the CPU to the trainer and the main engine.
+    process sets its own priority to that first, below the other workers
+    (Ray starts them at nice 15), so it generates mostly on spare cycles:
+    on a core the trainer also wants it gets about 30% (scheduler weights
+    15 against 36).
 
     With ``tools`` (``infra.multiturn.ToolSettings``) and ``tool_fn`` (what one
     tool call runs, e.g. ``envs.tools.run_tool_call``) the engine is wrapped in
@@ -60,8 +62,8 @@ class EngineWorker:
 
         from reflow.policies.engines import make_engine
 
-        if nice:  # an elastic engine: the OS runs it only on cycles nobody at normal priority wants
-            os.nice(nice)
+        if nice:  # an elastic engine: below every other worker (Ray starts them at nice 15), driver and server
+            os.nice(nice - os.getpriority(os.PRIO_PROCESS, 0))
         torch.set_num_threads(settings.threads)
         self._incarnation = uuid.uuid4().hex
         if trainer is not None and _restarted():
@@ -301,10 +303,7 @@ def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
     if cfg.resources.ray_address:
         ray.init(address=cfg.resources.ray_address, **kwargs)
     else:
-        # Ray starts its workers at nice 15 by default, below this driver and the Prefect server; at 0 the
-        # engines and the trainer are not, and an elastic engine (nice 19) is below all of them.
-        ray.init(num_cpus=cfg.resources.num_cpus, include_dashboard=False,
-                 _system_config={"worker_niceness": 0}, **kwargs)
+        ray.init(num_cpus=cfg.resources.num_cpus, include_dashboard=False, **kwargs)
     from reflow.infra.signals import interrupt_on_signals
 
     interrupt_on_signals()  # Ray replaced the handler
