@@ -16,7 +16,7 @@ import ray
 from reflow.infra.config import ReflowConfig
 
 
-# The priority of elastic engines (``resources.elastic_engines``): the lowest, so they never slow the trainer.
+# The priority of elastic engines (``resources.elastic_engines``): the lowest (they still slow the trainer some).
 ELASTIC_NICE = 19
 
 
