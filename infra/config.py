@@ -164,6 +164,13 @@ class RolloutConfig(_Section):
     max_aborts: int = Field(2, ge=1, le=100, description="Sorted rounds: sorted_on_policy pins a prompt left "
                             "incomplete this many rounds (the next round waits for it); sorted_partial trains a "
                             "complete group that waited this many rounds before shorter ones. No prompt starves.")
+    kv_on_update: Literal["recompute", "keep"] = Field(
+        "recompute", description="vLLM, requests in flight when new weights arrive (streaming modes): 'recompute' "
+        "interrupts them and prefills prompt + partial response again on the new weights (AReaL's interruptible "
+        "generation; every later token is the new policy's exactly); 'keep' swaps the weights under them and "
+        "keeps their KV cache from the old weights (PipelineRL's in-flight update: no re-prefill; later tokens are "
+        "sampled by the new weights over old keys and values, and their stored log-probs are those of that "
+        "sampling, so the off-policy correction stays exact).")
     enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts in seconds; for tiny "
                                                      "models on CPU eager decoding was as fast as compiled).")
 

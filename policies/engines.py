@@ -162,6 +162,7 @@ class EngineSettings:
     kv_cache_gib: int = 1
     enforce_eager: bool = True
     threads: int = 2
+    keep_kv_on_update: bool = False  # vLLM: requests in flight keep their KV cache across a weight update
 
 
 class _Progress:
@@ -219,6 +220,7 @@ class VLLMEngine:
         self._pending: dict[str, _Progress] = {}  # by request id
         self._by_engine_id: dict[str, _Progress] = {}  # by the id vLLM knows
         self._resumes = 0
+        self.resumed_prefix_tokens = 0  # prompt + partial tokens prefilled again after weight updates
 
     def submit(self, requests: Sequence[GenRequest]) -> None:
         for req in requests:
@@ -290,20 +292,38 @@ class VLLMEngine:
         interruptible generation does: their KV cache was computed with the
         old weights, so continuing on it would sample the next tokens from
         neither policy. The re-prefill makes every later token's log-prob
-        exactly the new policy's.
+        exactly the new policy's; ``resumed_prefix_tokens`` counts what it
+        prefills again.
+
+        With ``settings.keep_kv_on_update`` (``rollout.kv_on_update =
+        "keep"``) the weights change under the running requests instead, as
+        PipelineRL's in-flight updates do: no abort, no re-prefill. Their
+        later tokens are sampled by the new weights over keys and values the
+        old ones computed; the log-prob stored with each is that of the
+        distribution it was drawn from, so the trainer's importance ratio
+        against it stays exact. The prefix cache is kept too (vLLM can only
+        reset it with no request running).
         """
+        if self.settings.keep_kv_on_update:
+            self._reload(state)
+            self.version = version
+            return
         running = list(self._pending.values())
         if running:
             self._engine.abort_request([p.engine_id for p in running])
             self._by_engine_id.clear()
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items()),
-                                                           "is_checkpoint_format": True})
+        self._reload(state)
         self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.version = version
         self._resumes += 1
         for p in running:  # a running request is below its budget (vLLM finishes it on reaching it)
             p.engine_id = f"{p.request.request_id}#r{self._resumes}"
             self._add(p)
+            self.resumed_prefix_tokens += len(p.request.prompt_tokens) + len(p.tokens)
+
+    def _reload(self, state: dict[str, torch.Tensor]) -> None:
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items()),
+                                                           "is_checkpoint_format": True})
 
 
 class TransformersEngine:

@@ -41,7 +41,7 @@ def resolve_model_dir(cfg: ReflowConfig, progress=print) -> str:
     from reflow.policies.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model(cfg.model, cfg.env, cfg.run.seed, progress=progress,
-                                 threads=cfg.resources.torch_threads).resolve())
+                                 threads=cfg.resources.torch_threads, keep_kv_on_update=cfg.rollout.kv_on_update == "keep").resolve())
 
 
 def _engine_settings(cfg: ReflowConfig, model_dir: str) -> EngineSettings:

@@ -110,6 +110,7 @@ VLLM_SCRIPT = textwrap.dedent('''
         eng.update_weights(original, version=5)
         while eng.num_unfinished():
             third += eng.collect(max_steps=4)
+        resumed = eng.resumed_prefix_tokens
         # a partial rollout aborted, then resumed after an update: the resumed tokens keep their log-probs
         eng.submit([GenRequest(f"p{i}", [10 + i, 11, 12], max_tokens=12) for i in range(6)])
         early = eng.collect(max_steps=3)
@@ -120,7 +121,7 @@ VLLM_SCRIPT = textwrap.dedent('''
                                     for p in partial if p.response_tokens])
         rows = lambda rs: [dict(r.__dict__, version=r.version) for r in rs]
         json.dump({"first": rows(first), "second": rows(second), "third": rows(third), "partial": rows(partial),
-                   "fourth": rows(fourth)}, open(sys.argv[2], "w"))
+                   "fourth": rows(fourth), "resumed": resumed}, open(sys.argv[2], "w"))
     if __name__ == "__main__":
         main()
 ''')
@@ -160,6 +161,7 @@ def test_vllm_engine_logprobs_match_trainer_before_and_after_update(random_model
         assert torch.allclose(torch.tensor(res["logprobs"]), expected, atol=2e-3), res["request_id"]
         spanning += len(set(versions)) == 2
     assert spanning >= 1, "no request spanned the weight update"
+    assert data["resumed"] >= 3 * spanning  # the spanning requests were prefilled again (prompt + partial)
     partial = {r["request_id"]: r for r in data["partial"]}
     assert partial and all(r["finish_reason"] == "abort" for r in partial.values())
     assert {r["request_id"] for r in data["fourth"]} == {k for k, r in partial.items() if r["response_tokens"]}
@@ -172,6 +174,55 @@ def test_vllm_engine_logprobs_match_trainer_before_and_after_update(random_model
         prompt = [10 + int(res["request_id"][1:]), 11, 12]
         expected = _trainer_logprobs(random_model_dir, prompt, res["response_tokens"], state)[keep:]
         assert torch.allclose(torch.tensor(res["logprobs"][keep:]), expected, atol=2e-3), res["request_id"]
+
+
+KEEP_KV_SCRIPT = textwrap.dedent('''
+    import json, sys, torch
+    from reflow.policies.engines import EngineSettings, GenRequest, VLLMEngine
+    def main():
+        s = EngineSettings(model_dir=sys.argv[1], dtype="float32", temperature=1.0, eos_token_id=2,
+                           max_model_len=512, max_concurrent_sequences=64, seed=0, keep_kv_on_update=True)
+        eng = VLLMEngine(s)
+        from transformers import AutoModelForCausalLM
+        zeros = {k: torch.zeros_like(v) for k, v in AutoModelForCausalLM.from_pretrained(sys.argv[1]).state_dict().items()}
+        eng.submit([GenRequest(f"k{i}", [10 + i, 11, 12], max_tokens=16) for i in range(6)])
+        out = eng.collect(max_steps=4)
+        eng.update_weights(zeros, version=9)
+        while eng.num_unfinished():
+            out += eng.collect(max_steps=4)
+        json.dump({"results": [dict(r.__dict__) for r in out], "resumed": eng.resumed_prefix_tokens},
+                  open(sys.argv[2], "w"))
+    if __name__ == "__main__":
+        main()
+''')
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_engine_keeps_the_kv_cache_across_an_update(random_model_dir: Path, tmp_path: Path) -> None:
+    """kv_on_update='keep': no re-prefill; tokens after the update are the new weights' (zeros: uniform)."""
+    script = tmp_path / "keep_kv.py"
+    script.write_text(KEEP_KV_SCRIPT)
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(script), str(random_model_dir), str(out)], capture_output=True,
+                          text=True, timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1", **__import__("os").environ})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["resumed"] == 0
+    uniform = -float(torch.log(torch.tensor(128.0)))
+    spanning = 0
+    for res in data["results"]:
+        versions = res["token_versions"]
+        assert versions == sorted(versions) and set(versions) <= {0, 9}
+        old = versions.count(0)
+        prompt = [10 + int(res["request_id"][1:]), 11, 12]
+        expected = _trainer_logprobs(random_model_dir, prompt, res["response_tokens"])[:old]
+        assert torch.allclose(torch.tensor(res["logprobs"][:old]), expected, atol=2e-3), res["request_id"]
+        assert res["logprobs"][old:] == pytest.approx([uniform] * (len(versions) - old), abs=1e-4)
+        spanning += 0 < old < len(versions)
+    assert spanning >= 1, "no request spanned the weight update"
 
 
 def test_merge_batches_keeps_every_result_and_counts_idle_slots_of_the_early_engine() -> None:
