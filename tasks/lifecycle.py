@@ -41,7 +41,7 @@ def resolve_model_dir(cfg: ReflowConfig, progress=print) -> str:
     from reflow.policies.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model(cfg.model, cfg.env, cfg.run.seed, progress=progress,
-                                 threads=cfg.resources.torch_threads, keep_kv_on_update=cfg.rollout.kv_on_update == "keep").resolve())
+                                 threads=cfg.resources.torch_threads).resolve())
 
 
 def _engine_settings(cfg: ReflowConfig, model_dir: str) -> EngineSettings:
@@ -50,7 +50,7 @@ def _engine_settings(cfg: ReflowConfig, model_dir: str) -> EngineSettings:
                           eos_token_id=int(tok.eos_token_id), max_model_len=model_max_len(model_dir),
                           max_concurrent_sequences=cfg.rollout.max_concurrent_sequences, seed=cfg.run.seed,
                           kv_cache_gib=cfg.rollout.kv_cache_gib, enforce_eager=cfg.rollout.enforce_eager,
-                          threads=cfg.resources.torch_threads)
+                          threads=cfg.resources.torch_threads, keep_kv_on_update=cfg.rollout.kv_on_update == "keep")
 
 
 @task(name="prepare", cache_policy=NO_CACHE)
