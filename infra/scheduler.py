@@ -22,7 +22,11 @@ One round per trainer step:
    threshold is met.
 4. **Stateful cache.** ``partial``: every unfinished sample (and the finished
    samples of its group) stays in the cache and resumes next round, first in
-   the queue, so it always progresses and no round waits for it.
+   the queue, so it always progresses and no round waits for it. With
+   ``park`` (vLLM, ``rollout.kv_on_update = "keep"``) the unfinished ones are
+   not aborted but left running in the engine with their KV cache; the cache
+   still records their tokens, and the next round lets them go on instead of
+   prefilling prompt + partial response again (``RoundStats.continued``).
    ``on_policy``: incomplete groups are dropped (no off-policy token is ever
    trained) and their prompts re-queued first in line; a prompt aborted
    ``max_aborts`` times is *pinned*: the next round does not end before it
@@ -84,6 +88,7 @@ class RoundStats:
     cached_groups: int  # groups left in the cache after the round
     prefill_tokens: int = 0  # tokens the engine had to prefill: every started request's prompt plus resumed prefix
     resumed_tokens: int = 0  # of which resumed prefixes (their KV cache was dropped with the old weights)
+    continued: int = 0  # of the resumed, those still running in the engine with their KV cache (parked, no prefill)
 
     @property
     def bubble_ratio(self) -> float:
@@ -110,7 +115,9 @@ class RoundGoal:
     """
 
     def __init__(self, missing: dict[int, int], complete: int, groups_needed: int, pinned: set[int],
-                 early_stop: Literal["groups", "tokens"], round_tokens: int, prefix: dict[str, int]) -> None:
+                 early_stop: Literal["groups", "tokens"], round_tokens: int, prefix: dict[str, int],
+                 park: bool = False) -> None:
+        self.park = park  # leave unfinished requests running in the engine at the end (``run_round``)
         self.missing, self.complete, self.groups_needed = dict(missing), complete, groups_needed
         self.pinned = {g for g in pinned if self.missing.get(g, 0) > 0}
         self.early_stop, self.round_tokens, self.prefix = early_stop, round_tokens, prefix
@@ -149,7 +156,7 @@ class SortedScheduler:
     def __init__(self, groups_per_step: int, samples_per_group: int, oversubscription: float, mode: Mode,
                  make_request: Callable[[int, int, GenResult | None], GenRequest], clock: Clock,
                  early_stop: Literal["groups", "tokens"] = "groups", round_tokens: int = 0,
-                 max_aborts: int = 2) -> None:
+                 max_aborts: int = 2, park: bool = False) -> None:
         if mode not in ("on_policy", "partial"):
             raise ValueError(f"mode must be 'on_policy' or 'partial', got {mode!r}")
         self.groups_per_step, self.samples = groups_per_step, samples_per_group
@@ -157,6 +164,7 @@ class SortedScheduler:
         self.round_groups = max(groups_per_step, math.ceil(oversubscription * groups_per_step))
         self.mode, self.make_request, self.clock = mode, make_request, clock
         self.early_stop, self.round_tokens, self.max_aborts = early_stop, round_tokens, max_aborts
+        self.park = park and mode == "partial"  # unfinished responses stay in the engine (KV kept) till next round
         self.groups: dict[int, GroupState] = {}  # the cache, by stream position
         self.next_group = 0  # first prompt position never loaded
 
@@ -193,7 +201,7 @@ class SortedScheduler:
         prefix = {r.request_id: len(r.resume_tokens) for r in queue if r.resume_tokens}
         return RoundGoal(missing, complete=sum(1 for m in missing.values() if m == 0),
                          groups_needed=self.groups_per_step, pinned=pinned, early_stop=self.early_stop,
-                         round_tokens=self.round_tokens, prefix=prefix)
+                         round_tokens=self.round_tokens, prefix=prefix, park=self.park)
 
     def run_round(self, engine: RoundEngine) -> RoundResult:
         """Generate from the planned queue until the threshold, abort the rest, hand out the shortest complete groups."""
@@ -202,7 +210,9 @@ class SortedScheduler:
         start = self.clock.now()
         run = engine.run_round(queue, self._goal(queue, new))
         wall = self.clock.now() - start
-        started = queue[: run.started]
+        continued = set(run.continued)  # parked requests beyond ``run.started`` ran on as well
+        started = queue[: run.started] + [r for r in queue[run.started:] if r.request_id in continued]
+        prefilled = [r for r in started if r.request_id not in continued]
         for g in sorted({ids[r.request_id][0] for r in started} & set(new)):  # a prefix of ``new``
             self.groups[g] = GroupState(g)
             self.next_group = g + 1
@@ -223,8 +233,8 @@ class SortedScheduler:
                            slots=min(len(queue), engine.max_sequences), requests=len(started),
                            resumed=sum(1 for r in started if r.resume_tokens), aborted=len(run.aborted),
                            cached_groups=len(self.groups),
-                           prefill_tokens=sum(len(r.prompt_tokens) + len(r.resume_tokens) for r in started),
-                           resumed_tokens=sum(prefix.values()))
+                           prefill_tokens=sum(len(r.prompt_tokens) + len(r.resume_tokens) for r in prefilled),
+                           resumed_tokens=sum(len(r.resume_tokens) for r in prefilled), continued=len(continued))
         return RoundResult(trainable=trainable, stats=stats)
 
     def _complete(self) -> list[int]:

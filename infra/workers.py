@@ -84,6 +84,8 @@ class EngineWorker:
         from reflow.policies.rounds import SlotMeter
 
         start = time.perf_counter()  # engine-side busy time, reported to the control plane
+        if self.engine.num_unfinished():  # parked by a sorted round (``run_round``): not to be run on these weights
+            self.engine.abort(self.engine.pending_ids())  # (the rollout cache has them; they resume by prefill)
         meter = SlotMeter(self.engine, self.max_sequences)
         self.engine.submit(requests)
         results = []
@@ -121,12 +123,14 @@ class EngineWorker:
         """One length-aware round in one call (``policies.engines.run_round``): a ``RoundRun``.
 
         The engine stays full from ``queue`` until ``rule`` is met, then the
-        rest is aborted. Nothing of a round outlives the call, so Ray's retry
-        of it on a restarted actor simply runs the round again.
+        rest is aborted, or with ``rule.park`` left running for the next
+        round (the rollout cache holds its tokens either way). Ray's retry of
+        the call on a restarted actor runs the round again: the new engine
+        holds nothing, so parked requests resume by prefill.
         """
         from reflow.policies.rounds import run_round
 
-        return run_round(self.engine, queue, rule, self.max_sequences)
+        return run_round(self.engine, queue, rule, self.max_sequences, park=getattr(rule, "park", False))
 
     def abort(self, request_ids: Sequence[str] | None = None) -> list[Any]:
         """Abort the named requests (all in flight when None); their partial results."""

@@ -265,6 +265,10 @@ class VLLMEngine:
                     done.append(progress.result(reason))
         return done
 
+    def snapshot(self, request_ids: Sequence[str]) -> list[GenResult]:
+        """What the named running requests have generated so far (finish reason ``abort``); they keep running."""
+        return [self._pending[r].result("abort") for r in request_ids if r in self._pending]
+
     def abort(self, request_ids: Sequence[str]) -> list[GenResult]:
         """Stop the named requests; returns what each had generated (finish reason ``abort``)."""
         progress = [self._pending.pop(r) for r in request_ids if r in self._pending]

@@ -29,6 +29,7 @@ class RoundRun:
     seconds: float
     busy_slot_seconds: float  # sum over engine steps of (sequences decoding x step time)
     steps: int  # engine steps taken
+    continued: tuple[str, ...] = ()  # queued requests found still running in the engine (parked by the last round)
 
 
 class StopRule(Protocol):
@@ -39,7 +40,8 @@ class StopRule(Protocol):
     def met(self) -> bool: ...
 
 
-def run_round(engine: Engine, queue: Sequence[GenRequest], rule: StopRule, max_sequences: int) -> RoundRun:
+def run_round(engine: Engine, queue: Sequence[GenRequest], rule: StopRule, max_sequences: int,
+              park: bool = False) -> RoundRun:
     """Generate from ``queue`` until ``rule`` is met (or nothing is left), then abort what still runs.
 
     The engine is kept at ``max_sequences`` running requests: before every
@@ -48,25 +50,47 @@ def run_round(engine: Engine, queue: Sequence[GenRequest], rule: StopRule, max_s
     never needed is never added (nor aborted). Runs where the engine lives,
     one call per round: the engine steps back to back, with no caller round
     trip between steps, and stops in the step that meets the rule.
+
+    ``park`` (an engine with ``snapshot``, i.e. vLLM, with
+    ``rollout.kv_on_update = "keep"``): what still runs
+    at the end is not aborted but left in the engine, with its KV cache,
+    and reported as aborted (tokens so far, for the rollout cache). The next
+    round finds those requests in its queue (same ids, resumed from exactly
+    those tokens) still running and lets them go on instead of prefilling
+    them again (``RoundRun.continued``). A running request the queue does
+    not name is aborted first.
     """
     start = time.perf_counter()
     meter = SlotMeter(engine, max_sequences)
+    running = set(engine.pending_ids())
+    if running:
+        named = {r.request_id for r in queue}
+        stray = [rid for rid in running if rid not in named]
+        if stray:
+            engine.abort(stray)
+    continued = tuple(r.request_id for r in queue if r.request_id in running)
+    skip = set(continued)
     finished: list[GenResult] = []
     started = steps = 0
     while not rule.met():
         free = max_sequences - engine.num_unfinished()
-        if free > 0 and started < len(queue):
-            engine.submit(queue[started:started + free])
-            started = min(len(queue), started + free)
+        batch = []
+        while free > len(batch) and started < len(queue):
+            if queue[started].request_id not in skip:
+                batch.append(queue[started])
+            started += 1
+        if batch:
+            engine.submit(batch)
         if not engine.num_unfinished():
             break
         for res in meter.collect(max_steps=1):
             rule.observe(res)
             finished.append(res)
         steps += 1
-    aborted = engine.abort(engine.pending_ids())
+    left = engine.pending_ids()
+    aborted = engine.snapshot(left) if park else engine.abort(left)
     return RoundRun(finished=finished, aborted=aborted, started=started, seconds=time.perf_counter() - start,
-                    busy_slot_seconds=meter.busy_slot_seconds, steps=steps)
+                    busy_slot_seconds=meter.busy_slot_seconds, steps=steps, continued=continued)
 
 
 class SlotMeter:

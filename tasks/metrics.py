@@ -35,6 +35,7 @@ def step_metrics(run_dir: str, scored: ScoreSummary, updated: UpdateSummary, syn
         "rollout_bubble_ratio": scored.bubble_ratio, "resumed_requests": float(scored.resumed),
         "aborted_requests": float(scored.aborted), "cached_groups": float(scored.cached_groups),
         "prefill_tokens": float(scored.prefill_tokens), "resumed_prefix_tokens": float(scored.resumed_tokens),
+        "continued_requests": float(scored.continued),
         "tool_calls": float(scored.tool_calls),
         "elastic_token_share": scored.elastic_tokens / max(scored.generated_tokens, 1),
         "staleness_mean": updated.staleness_mean, "staleness_max": float(updated.staleness_max),

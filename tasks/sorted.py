@@ -60,7 +60,8 @@ def _scheduler(ctx: TaskContext, run_dir: str) -> SortedScheduler:
     sched = SortedScheduler(groups_per_step=r.prompts_per_step, samples_per_group=r.samples_per_prompt,
                             oversubscription=r.oversubscription, mode=r.scheduling.removeprefix("sorted_"),
                             make_request=make_request, clock=SystemClock(), early_stop=r.early_stop,
-                            round_tokens=r.round_tokens, max_aborts=r.max_aborts)
+                            round_tokens=r.round_tokens, max_aborts=r.max_aborts,
+                            park=r.kv_on_update == "keep" and r.engine == "vllm")
     run = _quote(ctx.record.run_id)
     if ctx.store.table_versions()[ROLLOUT_CACHE] >= 0:
         rows = ctx.store.query(f"SELECT * FROM {ROLLOUT_CACHE} WHERE run_id = {run} AND round = "
@@ -101,4 +102,4 @@ def sorted_round(run_dir: str, step: int) -> ScoreSummary:
                         generation_seconds=st.seconds, seconds=ctx.clock.now() - start,
                         bubble_ratio=st.bubble_ratio, resumed=st.resumed, aborted=st.aborted,
                         cached_groups=st.cached_groups, prefill_tokens=st.prefill_tokens,
-                        resumed_tokens=st.resumed_tokens)
+                        resumed_tokens=st.resumed_tokens, continued=st.continued)

@@ -190,8 +190,23 @@ KEEP_KV_SCRIPT = textwrap.dedent('''
         eng.update_weights(zeros, version=9)
         while eng.num_unfinished():
             out += eng.collect(max_steps=4)
-        json.dump({"results": [dict(r.__dict__) for r in out], "resumed": eng.resumed_prefix_tokens},
-                  open(sys.argv[2], "w"))
+        # a parked round (sorted_partial): its rest stays in the engine across the update and goes on next round
+        from reflow.policies.rounds import run_round
+        class Goal:
+            def __init__(self, need): self.need, self.n = need, 0
+            def observe(self, result): self.n += 1
+            def met(self): return self.n >= self.need
+        eng.update_weights(AutoModelForCausalLM.from_pretrained(sys.argv[1]).state_dict(), version=10)
+        queue = [GenRequest(f"q{i}", [10 + i, 11, 12], max_tokens=8 + 8 * i) for i in range(6)]
+        first = run_round(eng, queue, Goal(1), 64, park=True)
+        eng.update_weights(zeros, version=11)
+        resumed = [GenRequest(r.request_id, [10 + int(r.request_id[1:]), 11, 12], 8 + 8 * int(r.request_id[1:]),
+                              r.response_tokens, r.logprobs, r.token_versions, r.submitted_version)
+                   for r in first.aborted]
+        second = run_round(eng, resumed, Goal(len(resumed)), 64)
+        rows = lambda rs: [dict(r.__dict__) for r in rs]
+        json.dump({"results": rows(out), "resumed": eng.resumed_prefix_tokens, "parked": rows(first.aborted),
+                   "continued": list(second.continued), "second": rows(second.finished)}, open(sys.argv[2], "w"))
     if __name__ == "__main__":
         main()
 ''')
@@ -200,7 +215,8 @@ KEEP_KV_SCRIPT = textwrap.dedent('''
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_engine_keeps_the_kv_cache_across_an_update(random_model_dir: Path, tmp_path: Path) -> None:
-    """kv_on_update='keep': no re-prefill; tokens after the update are the new weights' (zeros: uniform)."""
+    """kv_on_update='keep': no re-prefill, in the stream or across a parked round; tokens after the update are
+    the new weights' (zeros: uniform)."""
     script = tmp_path / "keep_kv.py"
     script.write_text(KEEP_KV_SCRIPT)
     out = tmp_path / "out.json"
@@ -210,7 +226,6 @@ def test_vllm_engine_keeps_the_kv_cache_across_an_update(random_model_dir: Path,
     import json
 
     data = json.loads(out.read_text())
-    assert data["resumed"] == 0
     uniform = -float(torch.log(torch.tensor(128.0)))
     spanning = 0
     for res in data["results"]:
@@ -223,6 +238,16 @@ def test_vllm_engine_keeps_the_kv_cache_across_an_update(random_model_dir: Path,
         assert res["logprobs"][old:] == pytest.approx([uniform] * (len(versions) - old), abs=1e-4)
         spanning += 0 < old < len(versions)
     assert spanning >= 1, "no request spanned the weight update"
+    parked = {r["request_id"]: r for r in data["parked"]}
+    assert parked and set(data["continued"]) == set(parked) == {r["request_id"] for r in data["second"]}
+    for res in data["second"]:
+        before = parked[res["request_id"]]
+        keep = len(before["response_tokens"])
+        assert res["response_tokens"][:keep] == before["response_tokens"]
+        assert res["logprobs"][:keep] == before["logprobs"]
+        assert res["token_versions"] == [10] * keep + [11] * (len(res["response_tokens"]) - keep)
+        assert res["logprobs"][keep:] == pytest.approx([uniform] * (len(res["logprobs"]) - keep), abs=1e-4)
+    assert data["resumed"] == 0  # nothing was prefilled again, in the stream or across the parked round
 
 
 def test_merge_batches_keeps_every_result_and_counts_idle_slots_of_the_early_engine() -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from reflow.infra.scheduler import RoundGoal
+import random
+
+from reflow.infra.clock import VirtualClock
+from reflow.infra.scheduler import RoundGoal, SortedScheduler
 from reflow.policies.engines import GenRequest, GenResult
-from reflow.policies.rounds import run_round
+from reflow.policies.rounds import RoundRun, run_round
 
 
 class StepEngine:
@@ -38,6 +41,9 @@ class StepEngine:
 
     def abort(self, request_ids) -> list[GenResult]:
         return [self._result(*self.running.pop(rid), "abort") for rid in request_ids]
+
+    def snapshot(self, request_ids) -> list[GenResult]:
+        return [self._result(*self.running[rid], "abort") for rid in request_ids]
 
     def num_unfinished(self) -> int:
         return len(self.running)
@@ -101,3 +107,67 @@ def test_a_goal_met_before_the_round_starts_submits_nothing() -> None:
     engine = StepEngine({}, 4)
     run = run_round(engine, _queue(2, 2)[2:], goal, max_sequences=4)
     assert run.started == 0 and run.steps == 0 and not engine.submitted and not run.finished and not run.aborted
+
+
+def _resumed(res: GenResult) -> GenRequest:
+    return GenRequest(res.request_id, [1, 2], 50, res.response_tokens, res.logprobs, res.token_versions,
+                      res.submitted_version)
+
+
+def test_a_parked_round_leaves_its_rest_running_and_the_next_round_continues_it_without_resubmitting() -> None:
+    queue = _queue(4, 2)
+    lengths = {r.request_id: (2 if r.request_id[1] in "01" else 12) for r in queue}
+    lengths.update({f"g4/p4/{k}": 2 for k in range(2)})
+    engine = StepEngine(lengths, max_sequences=8)
+    run = run_round(engine, queue, _goal(4, 2, needed=2), max_sequences=8, park=True)
+    parked = {r.request_id: r for r in run.aborted}
+    assert set(parked) == set(engine.running) == {r.request_id for r in queue[4:]}
+    assert all(r.finish_reason == "abort" and 0 < len(r.response_tokens) < 12 for r in parked.values())
+    # the next round: the cache resumes all but one (that one is aborted), then a new group
+    stray, *kept = sorted(parked)
+    queue2 = [_resumed(parked[rid]) for rid in kept] + [GenRequest(f"g4/p4/{k}", [1, 2], 50) for k in range(2)]
+    before = len(engine.submitted)
+    run2 = run_round(engine, queue2, _goal(5, 2, needed=3), max_sequences=8)
+    assert run2.continued == tuple(kept)
+    assert engine.submitted[before:] == ["g4/p4/0", "g4/p4/1"], "a continued request was submitted again"
+    assert stray not in engine.running and stray not in {r.request_id for r in run2.finished + run2.aborted}
+    done = {r.request_id: r for r in run2.finished}
+    assert set(kept) <= set(done) and all(len(done[rid].response_tokens) == 12 for rid in kept)
+    assert not engine.running  # not parked this time: the rest was aborted
+
+
+class _Rounds:
+    """``RoundEngine`` over ``run_round`` and the step engine of the round tests (park honoured)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.max_sequences = engine, engine.max_sequences
+
+    def run_round(self, queue, goal) -> RoundRun:
+        return run_round(self.engine, queue, goal, self.max_sequences, park=goal.park)
+
+
+def test_parking_unfinished_responses_changes_what_is_prefilled_not_what_trains() -> None:
+    rng = random.Random(3)
+    targets = {g: 4 + (rng.randint(0, 8) if rng.random() < 0.7 else rng.randint(20, 120)) for g in range(200)}
+    outcomes = {}
+    for park in (False, True):
+        lengths = {f"g{g}/p{g}/{k}": t for g, t in targets.items() for k in range(2)}
+        engine = StepEngine(lengths, max_sequences=6)
+        make = lambda g, k, resume: (GenRequest(f"g{g}/p{g}/{k}", [1, 2], 200) if resume is None else  # noqa: E731
+                                     GenRequest(resume.request_id, [1, 2], 200, resume.response_tokens,
+                                                resume.logprobs, resume.token_versions, resume.submitted_version))
+        sched = SortedScheduler(groups_per_step=4, samples_per_group=2, oversubscription=2.0, mode="partial",
+                                make_request=make, clock=VirtualClock(), park=park)
+        trained, stats = [], []
+        for _ in range(12):
+            result = sched.run_round(_Rounds(engine))
+            trained.append({g: [r.response_tokens for r in rs] for g, rs in result.trainable.items()})
+            stats.append(result.stats)
+        outcomes[park] = (trained, stats)
+    (plain, plain_stats), (parked, parked_stats) = outcomes[False], outcomes[True]
+    assert parked == plain
+    assert [s.generated_tokens for s in parked_stats] == [s.generated_tokens for s in plain_stats]
+    assert sum(s.continued for s in parked_stats) > 0 and sum(s.continued for s in plain_stats) == 0
+    assert sum(s.resumed_tokens for s in parked_stats) == 0 < sum(s.resumed_tokens for s in plain_stats)
+    for a, b in zip(parked_stats, plain_stats):
+        assert a.resumed == b.resumed and a.prefill_tokens == b.prefill_tokens - b.resumed_tokens - 2 * a.continued
