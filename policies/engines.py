@@ -266,8 +266,15 @@ class VLLMEngine:
         return done
 
     def snapshot(self, request_ids: Sequence[str]) -> list[GenResult]:
-        """What the named running requests have generated so far (finish reason ``abort``); they keep running."""
-        return [self._pending[r].result("abort") for r in request_ids if r in self._pending]
+        """What the named running requests have generated so far (finish reason ``abort``); they keep running.
+
+        Copies: the requests go on appending to their own lists.
+        """
+        out = []
+        for p in (self._pending[r] for r in request_ids if r in self._pending):
+            out.append(GenResult(p.request.request_id, list(p.tokens), list(p.logprobs), "abort", list(p.versions),
+                                 p.submitted_version))
+        return out
 
     def abort(self, request_ids: Sequence[str]) -> list[GenResult]:
         """Stop the named requests; returns what each had generated (finish reason ``abort``)."""
