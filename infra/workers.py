@@ -190,6 +190,7 @@ def batch_stats(table: Any) -> BatchStats:
 class TrainResult:
     metrics: Any  # policies.trainer.StepMetrics
     batch: BatchStats
+    read_seconds: float = 0.0  # reading the batch from Delta and building the samples, before the step
 
 
 class TrainerWorker:
@@ -247,18 +248,22 @@ class TrainerWorker:
         ``versions`` (lowest, highest policy version of the batch) lets the
         read skip every other partition of the table.
         """
+        import time
+
         from reflow.policies.batch import train_samples_from_table
         from reflow.storage.delta_store import DeltaTrajectoryStore
 
+        start = time.perf_counter()
         if self.store is None:
             self.store = DeltaTrajectoryStore(self.store_root)  # kept open: later reads see only new commits
         table = self.store.read_trajectories(run_id=run_id, ids=trajectory_ids, versions=versions)
         if table.num_rows != len(set(trajectory_ids)):
             raise RuntimeError(f"trainer: {len(set(trajectory_ids))} trajectories selected, "
                                f"{table.num_rows} found in {self.store_root}")
-        weights = dict(zip(trajectory_ids, loss_weights))
-        metrics = self.trainer.step(train_samples_from_table(table, weights))
-        return TrainResult(metrics=metrics, batch=batch_stats(table))
+        samples = train_samples_from_table(table, dict(zip(trajectory_ids, loss_weights)))
+        read_s = time.perf_counter() - start
+        metrics = self.trainer.step(samples)
+        return TrainResult(metrics=metrics, batch=batch_stats(table), read_seconds=read_s)
 
     def export_weights(self) -> dict[str, Any]:
         return self.trainer.export_weights()

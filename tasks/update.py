@@ -34,6 +34,7 @@ class UpdateSummary:
     trained_tokens: int  # loss tokens trained on (forward and backward)
     skipped_tokens: int  # loss tokens of samples skipped because their gradient is exactly zero
     trainer_seconds: float
+    read_seconds: float  # the trainer actor reading its batch from Delta, before computing
     usage_delta_version: int | None  # None: already written by an earlier attempt
     staleness_mean: float  # trainer version minus generating version, over the batch
     staleness_max: int
@@ -75,7 +76,7 @@ def update(run_dir: str, step: int, selection: BatchSelection | None = None) -> 
                          kl=metrics.kl, entropy=metrics.entropy, grad_norm=metrics.grad_norm,
                          clip_fraction=metrics.clip_fraction, ratio_mean=metrics.ratio_mean,
                          trained_tokens=metrics.trained_tokens, skipped_tokens=metrics.skipped_tokens,
-                         trainer_seconds=metrics.seconds,
+                         trainer_seconds=metrics.seconds, read_seconds=result.read_seconds,
                          usage_delta_version=usage_version,
                          staleness_mean=sum(u.staleness for u in usage) / max(len(usage), 1),
                          staleness_max=max((u.staleness for u in usage), default=0),
