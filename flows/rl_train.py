@@ -90,7 +90,10 @@ def _rounds(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
     handle = None if sorted_rounds or first >= total else rollout(run_dir, first)
     for step in range(first, total):
         last = step == total - 1
-        scored = sorted_round(run_dir, step) if sorted_rounds else score(run_dir, handle)
+        if sorted_rounds:  # the round started at the end of the last step (a future), or starts now
+            scored = handle.result() if handle is not None else sorted_round(run_dir, step)
+        else:
+            scored = score(run_dir, handle)
         if overlap and not last:
             handle = rollout(run_dir, step + 1)
         updated = update(run_dir, step)
@@ -98,8 +101,9 @@ def _rounds(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
         inline_eval = _due_eval(cfg, step) and not cfg.eval.deferred
         evaluated = evaluate(run_dir, step) if inline_eval else None
         record = step_metrics(run_dir, scored, updated, synced, evaluated, baseline)
-        if not overlap and not last and not sorted_rounds:  # the engine starts now; logging overlaps it
-            handle = rollout(run_dir, step + 1)
+        if not overlap and not last:  # the engine starts now; logging overlaps it
+            # a sorted round is one blocking call on the engine actor: it runs as a task in Prefect's thread pool
+            handle = sorted_round.submit(run_dir, step + 1) if sorted_rounds else rollout(run_dir, step + 1)
         track(run_dir, record)
         _after_step(cfg, run_dir, step, updated.version, snapshots if cfg.eval.deferred else None)
     return snapshots
