@@ -127,19 +127,25 @@ VLLM_SCRIPT = textwrap.dedent('''
 ''')
 
 
+def _run_script(source: str, model_dir: Path, tmp_path: Path) -> dict:
+    """Run a vLLM check in its own process (``source`` model_dir out.json); what it wrote to out.json."""
+    import json
+    import os
+
+    script = tmp_path / "vllm_check.py"
+    script.write_text(source)
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(script), str(model_dir), str(out)], capture_output=True,
+                          text=True, timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_engine_logprobs_match_trainer_before_and_after_update(random_model_dir: Path, tmp_path: Path) -> None:
-    script = tmp_path / "vllm_check.py"
-    script.write_text(VLLM_SCRIPT)
-    out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(script), str(random_model_dir), str(out)], capture_output=True,
-                          text=True, timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1", **__import__("os").environ})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    import json
-
-    data = json.loads(out.read_text())
-    state = torch.load(str(out) + ".pt")
+    data = _run_script(VLLM_SCRIPT, random_model_dir, tmp_path)
+    state = torch.load(str(tmp_path / "out.json") + ".pt")
     for phase, weights, version in (("first", None, 0), ("second", state, 3)):
         for res in data[phase]:
             assert res["version"] == version
@@ -217,15 +223,7 @@ KEEP_KV_SCRIPT = textwrap.dedent('''
 def test_vllm_engine_keeps_the_kv_cache_across_an_update(random_model_dir: Path, tmp_path: Path) -> None:
     """kv_on_update='keep': no re-prefill, in the stream or across a parked round; tokens after the update are
     the new weights' (zeros: uniform)."""
-    script = tmp_path / "keep_kv.py"
-    script.write_text(KEEP_KV_SCRIPT)
-    out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(script), str(random_model_dir), str(out)], capture_output=True,
-                          text=True, timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1", **__import__("os").environ})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    import json
-
-    data = json.loads(out.read_text())
+    data = _run_script(KEEP_KV_SCRIPT, random_model_dir, tmp_path)
     uniform = -float(torch.log(torch.tensor(128.0)))
     spanning = 0
     for res in data["results"]:
