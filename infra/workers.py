@@ -216,6 +216,7 @@ class TrainerWorker:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.store_root = store_root
         self.store = None
+        self.recent = None
         self.trainer = Trainer(model_dir, cfg.train, cfg.run.seed, device=device, dtype=cfg.model.dtype)
         if run_dir is not None and run_id is not None and _restarted():
             self.recover(run_dir, run_id)
@@ -246,17 +247,23 @@ class TrainerWorker:
         """One step on the named trajectories (advantages computed per whole GRPO group).
 
         ``versions`` (lowest, highest policy version of the batch) lets the
-        read skip every other partition of the table.
+        read skip every other partition of the table, and lets it come from
+        the files already read (``storage.recent``: only new files are read).
         """
         import time
 
         from reflow.policies.batch import train_samples_from_table
         from reflow.storage.delta_store import DeltaTrajectoryStore
+        from reflow.storage.recent import RecentTrajectories
 
         start = time.perf_counter()
         if self.store is None:
             self.store = DeltaTrajectoryStore(self.store_root)  # kept open: later reads see only new commits
-        table = self.store.read_trajectories(run_id=run_id, ids=trajectory_ids, versions=versions)
+            self.recent = RecentTrajectories(self.store)
+        if versions is None:
+            table = self.store.read_trajectories(run_id=run_id, ids=trajectory_ids)
+        else:
+            table = self.recent.read(run_id, trajectory_ids, versions)
         if table.num_rows != len(set(trajectory_ids)):
             raise RuntimeError(f"trainer: {len(set(trajectory_ids))} trajectories selected, "
                                f"{table.num_rows} found in {self.store_root}")

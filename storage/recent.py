@@ -1,0 +1,87 @@
+"""The trainer's reads of the trajectories table, from the files it has not read yet.
+
+The streaming modes append to ``trajectories`` several times per step, so
+the table holds hundreds of small files after a few dozen steps, and
+building a pyarrow dataset over all of them took 0.12 to 0.18 s per read on
+this machine (0.33 s a step with the scan, in a 1.9 s reflow step). The
+table is append-only between compactions, so a reader that keeps the rows
+of every file it has read needs to read only the files added since: a few
+small ones per step, in a few milliseconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
+from deltalake.exceptions import DeltaError, TableNotFoundError
+
+from reflow.storage.delta_store import TRAJECTORIES, DeltaTrajectoryStore, trajectory_filter
+from reflow.storage.schema import TRAJECTORY_SCHEMA
+
+_READ_ORDER = [("rollout_step", "ascending"), ("trajectory_id", "ascending")]
+
+
+class RecentTrajectories:
+    """``read_trajectories`` by ids over the files read so far, reading only new ones.
+
+    Rows are kept per file; files whose partition (policy version) is below
+    the lowest version asked for are dropped, since a batch's staleness bound
+    only moves up. A read the kept rows cannot answer in full (an older
+    version, a file dropped) and any read of a table on object storage goes
+    to the store's own ``read_trajectories``. A file that disappears from the
+    table (compaction, vacuum) clears what is kept: the rows are then read
+    again from the files that replaced it.
+    """
+
+    def __init__(self, store: DeltaTrajectoryStore) -> None:
+        self.store = store
+        uri = store.table_uri(TRAJECTORIES)
+        self.local = Path(urlparse(uri).path) if uri.startswith("file://") else None if "://" in uri else Path(uri)
+        self.table: DeltaTable | None = None  # kept open: each refresh reads only new commits
+        self.parts: dict[str, tuple[int, pa.Table]] = {}  # file path -> (policy version, its rows)
+        self.seen: set[str] = set()  # files read or dropped
+
+    def read(self, run_id: str, ids: Sequence[str], versions: tuple[int, int]) -> pa.Table:
+        if self.local is not None:
+            try:
+                rows = self._kept(versions)
+            except (DeltaError, OSError, pa.ArrowException):  # the store's read reports it, or succeeds
+                self.parts, self.seen, self.table, rows = {}, set(), None, None
+            if rows is not None:
+                found = rows.filter(trajectory_filter(run_id, None, ids, versions))
+                if found.num_rows == len(set(ids)):
+                    return found.sort_by(_READ_ORDER)
+        return self.store.read_trajectories(run_id=run_id, ids=ids, versions=versions)
+
+    def _kept(self, versions: tuple[int, int]) -> pa.Table | None:
+        if self.table is None:
+            try:
+                self.table = DeltaTable(str(self.local))
+            except TableNotFoundError:
+                return None
+        else:
+            self.table.update_incremental()
+        files = pa.table(self.table.get_add_actions(flatten=True))
+        paths = files.column("path").to_pylist()
+        current = set(paths)
+        if self.seen - current:  # files were rewritten: start over
+            self.parts, self.seen = {}, set()
+        for path, version in zip(paths, files.column("partition.policy_version").to_pylist()):
+            if path in self.seen:
+                continue
+            self.seen.add(path)
+            if version >= versions[0]:
+                rows = pq.read_table(Path(self.local) / path)
+                if "policy_version" not in rows.column_names:  # a partition column lives in the log, not the file
+                    rows = rows.append_column("policy_version", pa.array([version] * rows.num_rows, pa.int64()))
+                self.parts[path] = (version, rows.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA))
+        for path in [p for p, (v, _) in self.parts.items() if v < versions[0]]:
+            del self.parts[path]
+        if not self.parts:
+            return None
+        return pa.concat_tables([rows for _, rows in self.parts.values()])
