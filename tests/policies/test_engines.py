@@ -190,7 +190,8 @@ KEEP_KV_SCRIPT = textwrap.dedent('''
                            max_model_len=512, max_concurrent_sequences=64, seed=0, keep_kv_on_update=True)
         eng = VLLMEngine(s)
         from transformers import AutoModelForCausalLM
-        zeros = {k: torch.zeros_like(v) for k, v in AutoModelForCausalLM.from_pretrained(sys.argv[1]).state_dict().items()}
+        original = AutoModelForCausalLM.from_pretrained(sys.argv[1]).state_dict()
+        zeros = {k: torch.zeros_like(v) for k, v in original.items()}
         eng.submit([GenRequest(f"k{i}", [10 + i, 11, 12], max_tokens=16) for i in range(6)])
         out = eng.collect(max_steps=4)
         eng.update_weights(zeros, version=9)
@@ -202,7 +203,7 @@ KEEP_KV_SCRIPT = textwrap.dedent('''
             def __init__(self, need): self.need, self.n = need, 0
             def observe(self, result): self.n += 1
             def met(self): return self.n >= self.need
-        eng.update_weights(AutoModelForCausalLM.from_pretrained(sys.argv[1]).state_dict(), version=10)
+        eng.update_weights(original, version=10)
         queue = [GenRequest(f"q{i}", [10 + i, 11, 12], max_tokens=8 + 8 * i) for i in range(6)]
         first = run_round(eng, queue, Goal(1), 64, park=True)
         eng.update_weights(zeros, version=11)
