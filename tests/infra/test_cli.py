@@ -140,6 +140,40 @@ def test_interrupt_that_surfaces_as_another_exception_still_exits_130(monkeypatc
     assert "interrupted" in capsys.readouterr().err
 
 
+def test_after_a_stop_signal_logged_errors_lose_their_traceback(monkeypatch) -> None:
+    """Prefect logs the exception an interrupt became with its traceback (CI); after the signal, one line."""
+    import io
+    import logging
+    import signal
+
+    import pytest
+
+    from reflow.infra import signals
+
+    monkeypatch.setattr(signals, "INTERRUPTED", signals.threading.Event())
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    log = logging.getLogger("reflow-test.flow_runs")
+    log.addHandler(handler)
+    try:
+        def fail(tag: str) -> None:
+            try:
+                raise ValueError("Task run is not set")
+            except ValueError:
+                log.error("%s: encountered exception during execution", tag, exc_info=True)
+
+        fail("before")
+        assert "Traceback" in out.getvalue()
+        with pytest.raises(KeyboardInterrupt):
+            signals.raise_interrupt(signal.SIGTERM, None)
+        out.truncate(0)
+        out.seek(0)
+        fail("after")
+        assert out.getvalue() == "after: encountered exception during execution\n"
+    finally:
+        log.removeHandler(handler)
+
+
 def test_an_error_without_an_interrupt_is_not_reported_as_one(monkeypatch) -> None:
     import signal
 
