@@ -52,9 +52,9 @@ def run_round(engine: Engine, queue: Sequence[GenRequest], rule: StopRule, max_s
     trip between steps, and stops in the step that meets the rule.
 
     ``park`` (an engine with ``snapshot``, i.e. vLLM, with
-    ``rollout.kv_on_update = "keep"``): what still runs
-    at the end is not aborted but left in the engine, with its KV cache,
-    and reported as aborted (tokens so far, for the rollout cache). The next
+    ``rollout.kv_on_update = "keep"``): what still runs at the end is not
+    aborted but left in the engine, with its KV cache, and reported as
+    aborted (tokens so far, for the rollout cache). The next
     round finds those requests in its queue (same ids, resumed from exactly
     those tokens) still running and lets them go on instead of prefilling
     them again (``RoundRun.continued``). A running request the queue does
