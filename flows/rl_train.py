@@ -148,7 +148,8 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> lis
         _after_step(cfg, run_dir, step, updated.version, snapshots)
 
     selector = SelectorLoop(RaySelector(run_dir, state, controller, on_step, replay, backend.tokens_by_engine),
-                            state, groups, clock, min_unused_groups=fresh_per_step)
+                            state, groups, clock, min_unused_groups=fresh_per_step,
+                            select_ahead=replay and b.select_ahead and b.max_staleness_versions > 0)
     # The feeder's tasks run in its thread inside this flow run (the context carries the run).
     thread = threading.Thread(target=contextvars.copy_context().run, args=(feeder.run,), name="feeder", daemon=True)
     thread.start()

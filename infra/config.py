@@ -242,6 +242,10 @@ class BufferConfig(_Section):
         "reward| first; groups with equal rewards carry no gradient) or 'newest'.")
     reuse_decay: float = Field(0.5, gt=0, le=1, description="Loss weight factor per previous use of a sample.")
     staleness_decay: float = Field(0.9, gt=0, le=1, description="Loss weight factor per version of age.")
+    select_ahead: bool = Field(True, description="reflow: choose the next batch while the trainer computes the "
+                               "current one, for the version it will train at, so the trainer starts it as soon "
+                               "as the weights are pushed (async, like verl's fully-async trainer, selects after "
+                               "each step; at max_staleness_versions = 0 no batch can be chosen before its weights exist).")
     drain_window_s: float = Field(0.25, gt=0, le=60, description="Engine stepping window between feeder "
                                   "decisions (weights load between windows).")
 

@@ -366,10 +366,20 @@ class SelectorBackend(Protocol):
     """What the selector drives: the buffer's query, the trainer, the weight push."""
 
     def select(self, step: int, trainer_version: int) -> Any:
-        """A ``storage.replay.ReplaySelection`` (possibly short or empty)."""
+        """A ``storage.replay.ReplaySelection`` (possibly short or empty) for a trainer at ``trainer_version``."""
         ...
 
-    def train(self, step: int, selection: Any) -> StepOutcome: ...
+    def consumed(self, selection: Any) -> tuple[int, ...]:
+        """Stream positions of the unused (fresh or stale) groups in ``selection``."""
+        ...
+
+    def start_train(self, step: int, selection: Any) -> Any:
+        """Start the trainer on ``selection`` and log it as step ``step``; returns a handle at once."""
+        ...
+
+    def finish_train(self, handle: Any, timeout: float | None) -> StepOutcome | None:
+        """The step's outcome; None if the trainer is still computing after ``timeout`` seconds (None: wait)."""
+        ...
 
     def push_weights(self, version: int) -> None:
         """Send the trainer's weights to the engines without waiting for them to load."""
@@ -380,32 +390,108 @@ class SelectorBackend(Protocol):
         ...
 
 
+@dataclass
+class _Training:
+    """The trainer step under way (``select_ahead``)."""
+
+    step: int
+    handle: Any
+    started: float
+
+
 class SelectorLoop:
-    """Buffer -> batch -> trainer -> new weights -> generators."""
+    """Buffer -> batch -> trainer -> new weights -> generators.
+
+    Plain (``select_ahead=False``, ``try_step``): select, train, push, record,
+    then select again; the trainer waits for the query and for the logging.
+
+    ``select_ahead=True`` (reflow): the next step's batch is chosen while the
+    trainer computes, for the version the trainer will be at when it starts
+    it (its current version plus one), and the step starts the moment the
+    trainer is free, its weights pushed and its record logged. The query runs
+    late in the step (``lead_s`` plus the last query's time before the
+    trainer is expected to finish), so the batch misses only the groups
+    written in that lead. The trainer runs one step at a time, so the
+    eval snapshot and the checkpoint of step k still see exactly its weights.
+    """
 
     def __init__(self, backend: SelectorBackend, state: LoopState, groups_per_step: int, clock: Clock,
-                 min_unused_groups: int, poll_s: float = 0.5) -> None:
+                 min_unused_groups: int, poll_s: float = 0.5, select_ahead: bool = False,
+                 lead_s: float = 0.05, busy_poll_s: float = 0.05) -> None:
         self.backend, self.state, self.groups_per_step, self.clock = backend, state, groups_per_step, clock
         self.min_unused_groups = min_unused_groups  # a batch needs at least this many unused groups
-        self.poll_s = poll_s
-        self.waited_s = 0.0  # time spent waiting for an admissible batch (trainer idle)
+        self.poll_s, self.select_ahead, self.lead_s, self.busy_poll_s = poll_s, select_ahead, lead_s, busy_poll_s
+        self.waited_s = 0.0  # time spent waiting for an admissible batch while the trainer had nothing (idle)
+        self.training: _Training | None = None
+        self.ahead: tuple[int, Any] | None = None  # (step, selection) chosen while the trainer computes
+        self.train_s: float | None = None  # the last step's start-to-finish time
+        self.select_s = 0.0  # the last query's time
+        self.selected_ahead = 0  # batches chosen while the step before was computing
+        self._short: tuple[int, int] | None = None  # (groups written, version) of the last query that came short
 
     def batch_ready(self, selection: Any) -> bool:
         """A full batch of whole groups (the replay share is already capped by the query)."""
         return len(set(selection.group_ids)) >= self.groups_per_step
 
     def try_step(self, step: int) -> StepOutcome | None:
-        """Train step ``step`` if a full batch is admissible now; None otherwise."""
-        with self.state.cond:
-            version = self.state.trainer_version
-        selection = self.backend.select(step, version)
-        if not self.batch_ready(selection):
+        """Train step ``step`` if a full batch is admissible now; None otherwise (plain form)."""
+        selection = self._select(step)
+        if selection is None:
             return None
-        outcome = self.backend.train(step, selection)
+        self._start(step, selection)
+        return self._finish(timeout=None)
+
+    def try_start(self, step: int, block: bool = False) -> bool:
+        """``select_ahead`` form: finish the step under way if it is done, choose ``step``'s batch, start it.
+
+        True when ``step`` started. The batch is kept while the step before
+        computes; ``block`` waits for that step instead of returning False.
+        """
+        if self.training is not None:
+            self._finish(timeout=0.0)
+        if self.ahead is None or self.ahead[0] != step:
+            selection = self._select(step)
+            if selection is None:
+                return False
+            self.ahead = (step, selection)
+        if self.training is not None and self._finish(timeout=None if block else 0.0) is None:
+            return False
+        self._start(step, self.ahead[1])
+        self.ahead = None
+        return True
+
+    def _select(self, step: int) -> Any | None:
+        if not self._may_be_ready():
+            return None
         with self.state.cond:
-            self.state.groups_consumed += outcome.fresh_groups
-            for g in outcome.consumed:
+            inputs = (self.state.groups_written, self.state.trainer_version + (self.training is not None))
+        if inputs == self._short:
+            return None  # nothing written since the same query came short
+        started = self.clock.now()
+        selection = self.backend.select(step, inputs[1])
+        self.select_s = self.clock.now() - started
+        if not self.batch_ready(selection):
+            self._short = inputs
+            return None
+        self.selected_ahead += self.training is not None
+        return selection
+
+    def _start(self, step: int, selection: Any) -> None:
+        consumed = self.backend.consumed(selection)
+        self.training = _Training(step, self.backend.start_train(step, selection), self.clock.now())
+        with self.state.cond:  # consumed from now on: the feeder may replace them while the step computes
+            self.state.groups_consumed += len(consumed)
+            for g in consumed:
                 self.state.unused.pop(g, None)
+
+    def _finish(self, timeout: float | None) -> StepOutcome | None:
+        """Collect the step under way: new version, weight push, record."""
+        assert self.training is not None
+        outcome = self.backend.finish_train(self.training.handle, timeout)
+        if outcome is None:
+            return None
+        step, self.train_s = self.training.step, self.clock.now() - self.training.started
+        self.training = None
         self.state.set_version(outcome.version)
         self.backend.push_weights(outcome.version)
         self.backend.record(step)  # after the push: the engine gets the new weights without waiting for logging
@@ -416,19 +502,36 @@ class SelectorLoop:
         with self.state.cond:
             return len(self.state.unused) >= self.min_unused_groups
 
+    def _until_select(self) -> float:
+        """Seconds to let the step under way run before choosing the next batch."""
+        if self.training is None or self.train_s is None:
+            return 0.0
+        lead = self.lead_s + self.select_s
+        return max(0.0, self.training.started + self.train_s - lead - self.clock.now())
+
     def run(self, steps: range) -> None:
         """Train every step of ``steps``; between failed attempts, wait for the feeder to write more."""
         for step in steps:
+            if self.select_ahead and self.training is not None:
+                self._finish(timeout=self._until_select())
             while True:
                 with self.state.cond:
                     seen = self.state.groups_written
                 started = self.clock.now()
-                outcome = self.try_step(step) if self._may_be_ready() else None
-                if outcome is not None:
+                if self.try_start(step, block=True) if self.select_ahead else self.try_step(step) is not None:
                     break
+                if self.training is not None:  # no batch yet: collect the step under way meanwhile
+                    self._finish(timeout=self.busy_poll_s)
+                    continue
                 with self.state.cond:
                     if self.state.stop:
                         return
                     if self.state.groups_written == seen:
                         self.state.cond.wait(timeout=self.poll_s)
                 self.waited_s += self.clock.now() - started
+        self.finish()
+
+    def finish(self) -> None:
+        """Wait for the step under way, if any, and collect it."""
+        if self.training is not None:
+            self._finish(timeout=None)

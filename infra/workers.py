@@ -218,6 +218,7 @@ class TrainerWorker:
         self.store = None
         self.recent = None
         self.trainer = Trainer(model_dir, cfg.train, cfg.run.seed, device=device, dtype=cfg.model.dtype)
+        self.replayed: dict[int, Any] = {}  # version a step started at -> its result, for steps replayed by recover
         if run_dir is not None and run_id is not None and _restarted():
             self.recover(run_dir, run_id)
 
@@ -239,16 +240,22 @@ class TrainerWorker:
                            f"{_quote(run_id)} AND trainer_step > {done} ORDER BY trainer_step").to_pylist()
         for step in sorted({r["trainer_step"] for r in rows}):
             batch = [r for r in rows if r["trainer_step"] == step]
-            self.train(run_id, [r["trajectory_id"] for r in batch], [r["loss_weight"] for r in batch])
+            version = self.trainer.version
+            self.replayed[version] = self.train(run_id, [r["trajectory_id"] for r in batch],
+                                                [r["loss_weight"] for r in batch])
         return self.trainer.version
 
     def train(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float],
-              versions: tuple[int, int] | None = None) -> Any:
+              versions: tuple[int, int] | None = None, expect_version: int | None = None) -> Any:
         """One step on the named trajectories (advantages computed per whole GRPO group).
 
         ``versions`` (lowest, highest policy version of the batch) lets the
         read skip every other partition of the table, and lets it come from
         the files already read (``storage.recent``: only new files are read).
+        ``expect_version``: the version the step must start at. A step that
+        ``recover`` already replayed from the usage log (Ray re-issues the
+        call a dead trainer was running) returns that result instead of
+        training twice; any other mismatch is an error.
         """
         import time
 
@@ -256,6 +263,11 @@ class TrainerWorker:
         from reflow.storage.delta_store import DeltaTrajectoryStore
         from reflow.storage.recent import RecentTrajectories
 
+        if expect_version is not None and expect_version != self.trainer.version:
+            if expect_version in self.replayed:
+                return self.replayed[expect_version]
+            raise RuntimeError(f"trainer: a step for version {expect_version} reached the trainer at version "
+                               f"{self.trainer.version}")
         start = time.perf_counter()
         if self.store is None:
             self.store = DeltaTrajectoryStore(self.store_root)  # kept open: later reads see only new commits

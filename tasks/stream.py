@@ -2,7 +2,7 @@
 
 The control plane (``infra.loops``) drives two backends built here:
 ``RayFeeder`` (the engine actor and the ``write_groups`` task) and
-``RaySelector`` (the ``sample_batch``, ``update`` and ``push_weights`` tasks).
+``RaySelector`` (the buffer's query, the ``start_update`` and ``push_weights`` tasks).
 Group ``g`` of the stream is train prompt ``g`` (the same prompts, in the same
 order, that the sync modes use), with request ids ``g<g>/<prompt id>/<k>``.
 """
@@ -27,7 +27,7 @@ from reflow.storage.delta_store import TRAJECTORIES, USAGE
 from reflow.storage.sampler import _quote
 from reflow.tasks.context import TaskContext, context, mark_origin, step_clock
 from reflow.tasks.rollout import _records, _requests
-from reflow.tasks.update import UpdateSummary, push_weights, update
+from reflow.tasks.update import PendingUpdate, UpdateSummary, finish_update, push_weights, start_update
 
 
 @dataclass(frozen=True)
@@ -266,12 +266,22 @@ class RaySelector:
         finally:
             self.phase_s["select"] = self.ctx.clock.now() - started  # the last query of the step counts
 
-    def train(self, step: int, selection: ReplaySelection) -> StepOutcome:
-        updated = update(self.run_dir, step, selection)
-        consumed = {_stream_position(g) for g, kind in zip(selection.group_ids, selection.kinds) if kind != "replay"}
+    def consumed(self, selection: ReplaySelection) -> tuple[int, ...]:
+        return tuple(sorted({_stream_position(g) for g, kind in zip(selection.group_ids, selection.kinds)
+                             if kind != "replay"}))
+
+    def start_train(self, step: int, selection: ReplaySelection) -> tuple[ReplaySelection, PendingUpdate]:
+        return selection, start_update(self.run_dir, step, selection)
+
+    def finish_train(self, handle: tuple[ReplaySelection, PendingUpdate], timeout: float | None) -> StepOutcome | None:
+        selection, pending = handle
+        updated = finish_update(self.run_dir, pending, timeout)
+        if updated is None:
+            return None
+        step = pending.step
         self._trained[step] = (selection, updated, self._step_metrics(step, selection, updated))
         return StepOutcome(version=updated.version, groups=len(set(selection.group_ids)),
-                           consumed=tuple(sorted(consumed)))
+                           consumed=self.consumed(selection))
 
     def push_weights(self, version: int) -> None:
         started = self.ctx.clock.now()

@@ -9,12 +9,15 @@ appends one ``usage`` row per trajectory (application transaction
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
 import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from reflow.infra.run import checkpoint_dir
 from reflow.infra.workers import BatchStats, actor
+from reflow.storage.replay import ReplaySelection
 from reflow.storage.sampler import BatchSelection, sync_batch
 from reflow.storage.schema import Usage
 from reflow.tasks.context import context
@@ -48,21 +51,29 @@ class SyncSummary:
     seconds: float
 
 
-@task(name="update", cache_policy=NO_CACHE)
-def update(run_dir: str, step: int, selection: BatchSelection | None = None) -> UpdateSummary:
-    """One trainer step; logs the batch to ``usage``.
+@dataclass(frozen=True)
+class PendingUpdate:
+    """A trainer step under way: its usage rows are committed, its result is a Ray reference."""
 
-    ``selection`` is the batch chosen by the buffer's query (streaming
-    modes); None takes the whole rollout of ``step`` (sync modes).
-    """
+    step: int
+    trainer_version: int  # the trainer's version when the step starts
+    staleness: tuple[int, ...]  # per sample: trainer_version minus its generating version
+    usage_delta_version: int | None
+    result: Any  # ray.ObjectRef of the actor's TrainResult
+    started: float
+
+
+def _start(run_dir: str, step: int, selection: BatchSelection | None, trainer_version: int | None) -> PendingUpdate:
     ctx = context(run_dir)
     start = ctx.clock.now()
     trainer = actor(ctx.record.trainer, ctx.record.namespace)
-    trainer_version = ray.get(trainer.version.remote())
+    if trainer_version is None:
+        trainer_version = ray.get(trainer.version.remote())
     batch = selection if selection is not None else sync_batch(ctx.store, run_id=ctx.record.run_id,
                                                                rollout_step=step)
     versions = (min(batch.policy_versions), max(batch.policy_versions)) if batch.policy_versions else None
-    pending = trainer.train.remote(ctx.record.run_id, batch.trajectory_ids, batch.loss_weights, versions)
+    result = trainer.train.remote(ctx.record.run_id, batch.trajectory_ids, batch.loss_weights, versions,
+                                  trainer_version)
     # The usage rows are known before the step: log them while the trainer computes (the trainer waited for
     # this commit before). A kill between the two leaves a logged step that a resume trains again, with the
     # logged batch, as it does for any step after the newest checkpoint.
@@ -70,17 +81,47 @@ def update(run_dir: str, step: int, selection: BatchSelection | None = None) -> 
                    loss_weight=w, staleness=trainer_version - v)
              for tid, w, v in zip(batch.trajectory_ids, batch.loss_weights, batch.policy_versions)]
     usage_version = ctx.store.append_usage(usage, app_id=f"{ctx.record.run_id}:usage", txn_version=step)
-    result = ray.get(pending)
-    metrics = result.metrics
-    return UpdateSummary(step=step, version=metrics.version, num_samples=len(usage), loss=metrics.loss,
+    return PendingUpdate(step=step, trainer_version=trainer_version, staleness=tuple(u.staleness for u in usage),
+                         usage_delta_version=usage_version, result=result, started=start)
+
+
+def finish_update(run_dir: str, pending: PendingUpdate, timeout: float | None = None) -> UpdateSummary | None:
+    """The step's summary once the trainer is done; None if it is still computing after ``timeout`` seconds."""
+    if timeout is not None and not ray.wait([pending.result], timeout=max(0.0, timeout))[0]:
+        return None
+    ctx = context(run_dir)
+    result = ray.get(pending.result)
+    metrics, staleness = result.metrics, pending.staleness
+    return UpdateSummary(step=pending.step, version=metrics.version, num_samples=len(staleness), loss=metrics.loss,
                          kl=metrics.kl, entropy=metrics.entropy, grad_norm=metrics.grad_norm,
                          clip_fraction=metrics.clip_fraction, ratio_mean=metrics.ratio_mean,
                          trained_tokens=metrics.trained_tokens, skipped_tokens=metrics.skipped_tokens,
                          trainer_seconds=metrics.seconds, read_seconds=result.read_seconds,
-                         usage_delta_version=usage_version,
-                         staleness_mean=sum(u.staleness for u in usage) / max(len(usage), 1),
-                         staleness_max=max((u.staleness for u in usage), default=0),
-                         seconds=ctx.clock.now() - start, batch=result.batch)
+                         usage_delta_version=pending.usage_delta_version,
+                         staleness_mean=sum(staleness) / max(len(staleness), 1),
+                         staleness_max=max(staleness, default=0),
+                         seconds=ctx.clock.now() - pending.started, batch=result.batch)
+
+
+@task(name="update", cache_policy=NO_CACHE)
+def update(run_dir: str, step: int, selection: BatchSelection | None = None) -> UpdateSummary:
+    """One trainer step; logs the batch to ``usage``.
+
+    ``selection`` is the batch chosen by the buffer's query (streaming
+    modes); None takes the whole rollout of ``step`` (sync modes).
+    """
+    return finish_update(run_dir, _start(run_dir, step, selection, None))
+
+
+@task(name="start_update", cache_policy=NO_CACHE)
+def start_update(run_dir: str, step: int, selection: ReplaySelection) -> PendingUpdate:
+    """Start one trainer step on a buffer selection and log it to ``usage``; ``finish_update`` collects it.
+
+    The step trains at the selection's ``trainer_version``; the trainer
+    refuses it at any other version (the selector chose the batch one
+    version ahead, while the step before was training).
+    """
+    return _start(run_dir, step, selection, selection.trainer_version)
 
 
 @task(name="sync_weights", cache_policy=NO_CACHE)

@@ -119,17 +119,37 @@ class FakeSelector:
         self.version = 0
         self.batches: dict[int, ReplaySelection] = {}
         self.recorded: list[tuple[int, int]] = []  # (step, newest weights pushed when it was recorded)
+        self.computing: tuple[int, ReplaySelection] | None = None
+        self.rng: random.Random | None = None  # set: a step takes 0 to 3 polls to finish
+        self.polls_left = 0
 
     def select(self, step: int, trainer_version: int) -> ReplaySelection:
         return select_batch(self.tables, RUN, trainer_version, self.groups, self.policy,
                             lambda reuse, age: 0.5**reuse * 0.9**age, samples_per_prompt=self.samples)
 
-    def train(self, step: int, selection: ReplaySelection) -> StepOutcome:
+    def consumed(self, selection: ReplaySelection) -> tuple[int, ...]:
+        return tuple(sorted({int(g.rsplit("/g", 1)[1]) for g, k in zip(selection.group_ids, selection.kinds)
+                             if k != "replay"}))
+
+    def start_train(self, step: int, selection: ReplaySelection) -> tuple[int, ReplaySelection]:
+        assert self.computing is None, "the trainer runs one step at a time"
+        assert selection.trainer_version == self.version, "a batch chosen for another version"
         self.store.append_usage(selection.usage_rows(RUN, step), app_id=f"{RUN}:usage", txn_version=step)
         self.batches[step] = selection
+        self.computing = (step, selection)
+        self.polls_left = self.rng.randrange(4) if self.rng is not None else 0
+        return self.computing
+
+    def finish_train(self, handle: tuple[int, ReplaySelection], timeout: float | None) -> StepOutcome | None:
+        assert handle is self.computing
+        if timeout is not None and self.polls_left > 0:
+            self.polls_left -= 1
+            return None
+        self.computing = None
         self.version += 1
-        fresh = {int(g.rsplit("/g", 1)[1]) for g, k in zip(selection.group_ids, selection.kinds) if k != "replay"}
-        return StepOutcome(version=self.version, groups=len(set(selection.group_ids)), consumed=tuple(sorted(fresh)))
+        selection = handle[1]
+        return StepOutcome(version=self.version, groups=len(set(selection.group_ids)),
+                           consumed=self.consumed(selection))
 
     def push_weights(self, version: int) -> None:
         self.engine.pending_weights.append(version)
@@ -138,11 +158,16 @@ class FakeSelector:
         self.recorded.append((step, self.engine.pending_weights[-1]))  # the weights were pushed first
 
 
-@pytest.mark.parametrize("seed,replay,stale", [(0, False, 1), (1, True, 1), (2, True, 1), (3, True, 0),
-                                               (4, False, 0)])
+@pytest.mark.parametrize("seed,replay,stale,ahead", [(0, False, 1, False), (1, True, 1, False), (2, True, 1, False),
+                                                     (3, True, 0, False), (4, False, 0, False), (5, True, 1, True),
+                                                     (6, True, 2, True), (7, True, 3, True)])
 def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed: int, replay: bool,
-                                                           stale: int) -> None:
-    """Feeder windows and selector attempts in random order: every batch obeys every bound, and nothing stalls."""
+                                                           stale: int, ahead: bool) -> None:
+    """Feeder windows and selector attempts in random order: every batch obeys every bound, and nothing stalls.
+
+    ``ahead``: the selector chooses each batch while the step before computes
+    (which takes a random number of polls), for the version after it.
+    """
     rng = random.Random(seed)
     groups, samples = 3, 4
     policy = ReplayPolicy(max_staleness_versions=stale, replay_ratio=0.5 if replay else 0.0,
@@ -155,18 +180,24 @@ def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed:
     gate = StalenessGate(stale, fresh_per_step, groups)
     feeder = FeederLoop(engine, state, gate, controller, VirtualClock())
     trainer = FakeSelector(store, engine, policy, groups, samples)
-    selector = SelectorLoop(trainer, state, groups, VirtualClock(), min_unused_groups=fresh_per_step)
+    selector = SelectorLoop(trainer, state, groups, VirtualClock(), min_unused_groups=fresh_per_step,
+                            select_ahead=ahead)
+    if ahead:
+        trainer.rng = rng
     step = 0
     for _ in range(120):
         if rng.random() < 0.6:
             feeder.run_once()
-        elif selector.try_step(step) is not None:
+        elif selector.try_start(step) if ahead else selector.try_step(step) is not None:
             step += 1
         # the gate's bound on groups ahead of the trainer (in flight + admissible unused)
         assert feeder.in_flight_groups + state.admissible_unused(stale) <= gate.cap
         if not replay and state.groups_expired == 0:  # AReaL's form of the same bound
             assert state.groups_submitted <= (trainer.version + stale + 1) * fresh_per_step
+    selector.finish()  # the step under way
     assert step >= 6, "the schedule should keep training (no deadlock between the loops)"
+    if ahead:  # some batches were chosen while the step before was computing, and trained one version later
+        assert selector.selected_ahead > 0
     assert trainer.recorded == [(s, s + 1) for s in range(step)], "each step is recorded once, after its push"
 
     written = {r.trajectory_id: r for r in engine.written}

@@ -152,3 +152,41 @@ def test_checkpoint_round_trip(random_model_dir: Path, tmp_path: Path) -> None:
         assert torch.equal(value, weights[name]), name
     out = trainer.save_hf(tmp_path / "hf")
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+
+def test_trainer_worker_trains_each_logged_step_once(random_model_dir: Path, tmp_path: Path) -> None:
+    """A step reaches the trainer at the version it was chosen for; one ``recover`` replayed is not trained twice.
+
+    (Ray re-issues the call a dead trainer was running; its usage rows were
+    logged as it started, so the restarted trainer has replayed it already.)
+    """
+    from reflow.infra.config import ReflowConfig
+    from reflow.infra.workers import TrainerWorker
+    from reflow.storage.delta_store import DeltaTrajectoryStore
+    from reflow.storage.schema import Trajectory, Usage
+
+    store = DeltaTrajectoryStore(str(tmp_path / "tables"))
+    rows = [Trajectory(trajectory_id=f"r/g0/{k}", run_id="r", prompt_id="p0", group_id="r/g0", sample_index=k,
+                       env="arith", rollout_step=0, policy_version=0, prompt_tokens=[5, 6],
+                       response_tokens=[7 + k, 8], behaviour_logprobs=[-1.0, -1.0], token_versions=[0, 0],
+                       loss_mask=[1, 1], reward=float(k % 2), correct=bool(k % 2), finish_reason="stop",
+                       response_length=2) for k in range(4)]
+    store.append_trajectories(rows, app_id="r:trajectories", txn_version=0)
+    ids, weights = [r.trajectory_id for r in rows], [1.0] * 4
+    config = ReflowConfig().model_dump_json()
+    worker = TrainerWorker(str(random_model_dir), config, str(tmp_path / "tables"), threads=1)
+    with pytest.raises(RuntimeError, match="version 1 reached the trainer at version 0"):
+        worker.train("r", ids, weights, (0, 0), expect_version=1)
+    first = worker.train("r", ids, weights, (0, 0), expect_version=0)
+    assert worker.version() == 1 and first.metrics.version == 1
+
+    # step 0 was logged, and the trainer died while computing it: a new one replays it from the usage log
+    store.append_usage([Usage(run_id="r", trajectory_id=t, trainer_step=0, trainer_version=0, loss_weight=1.0,
+                              staleness=0) for t in ids], app_id="r:usage", txn_version=0)
+    restarted = TrainerWorker(str(random_model_dir), config, str(tmp_path / "tables"), threads=1)
+    assert restarted.recover(str(tmp_path / "run"), "r") == 1
+    reissued = restarted.train("r", ids, weights, (0, 0), expect_version=0)
+    assert restarted.version() == 1, "the re-issued step was trained a second time"
+    assert reissued.metrics.loss == pytest.approx(first.metrics.loss)
+    for name, value in restarted.export_weights().items():
+        assert torch.equal(value, worker.export_weights()[name]), name
