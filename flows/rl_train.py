@@ -70,10 +70,12 @@ def _due_eval(cfg: ReflowConfig, step: int) -> bool:
     return bool(cfg.env.eval_prompts) and ((step + 1) % cfg.eval.every_steps == 0 or step == cfg.run.total_steps - 1)
 
 
-def _after_step(cfg: ReflowConfig, run_dir: str, step: int, version: int, snapshots: list | None) -> None:
-    """Snapshot the weights for a deferred evaluation (``snapshots``: None when evaluation is inline), checkpoint."""
+def _after_step(cfg: ReflowConfig, run_dir: str, step: int, version: int, snapshots: list | None,
+                weights: object = None) -> None:
+    """Snapshot the weights (or ``weights``, a reference to them) for a deferred evaluation (``snapshots``: None
+    when evaluation is inline), checkpoint."""
     if snapshots is not None and _due_eval(cfg, step):
-        snapshots.append(snapshot(run_dir, step, version))
+        snapshots.append(snapshot(run_dir, step, version, weights))
     if _due_checkpoint(cfg, step):
         checkpoint(run_dir, step)
 
@@ -139,15 +141,16 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> lis
 
     tracks = TrackQueue()
 
-    def on_step(step, selection, updated, record) -> None:
+    def on_step(step, selection, updated, record, weights) -> None:
         if baseline is not None:
             record.metrics["eval_accuracy_baseline"] = baseline.accuracy
         tracks.submit(run_dir, record)  # off the trainer's path
         if _due_checkpoint(cfg, step):
             tracks.drain()  # a checkpointed step is logged: a resume continues after it
-        _after_step(cfg, run_dir, step, updated.version, snapshots)
+        _after_step(cfg, run_dir, step, updated.version, snapshots, weights)
 
-    selector = SelectorLoop(RaySelector(run_dir, state, controller, on_step, replay, backend.tokens_by_engine),
+    selector = SelectorLoop(RaySelector(run_dir, state, controller, on_step, replay, backend.tokens_by_engine,
+                                        checkpoints=lambda step: _due_checkpoint(cfg, step)),
                             state, groups, clock, min_unused_groups=fresh_per_step,
                             select_ahead=replay and b.select_ahead and b.max_staleness_versions > 0)
     # The feeder's tasks run in its thread inside this flow run (the context carries the run).

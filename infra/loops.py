@@ -382,11 +382,15 @@ class SelectorBackend(Protocol):
         ...
 
     def push_weights(self, version: int) -> None:
-        """Send the trainer's weights to the engines without waiting for them to load."""
+        """Send the weights of ``version`` (taken when its step finished) to the engines without waiting."""
         ...
 
     def record(self, step: int) -> None:
         """Log step ``step`` (metrics, eval snapshot, checkpoint); called once its weights are on their way."""
+        ...
+
+    def uses_trainer(self, step: int) -> bool:
+        """Whether recording ``step`` calls the trainer (a checkpoint): the next step then starts after it."""
         ...
 
 
@@ -411,8 +415,9 @@ class SelectorLoop:
     trainer is free, its weights pushed and its record logged. The query runs
     late in the step (``lead_s`` plus the last query's time before the
     trainer is expected to finish), so the batch misses only the groups
-    written in that lead. The trainer runs one step at a time, so the
-    eval snapshot and the checkpoint of step k still see exactly its weights.
+    written in that lead. The next step starts before the finished one's
+    weight push and record (the backend took its weights as it finished);
+    a checkpoint, which reads the trainer's state, is saved before it.
     """
 
     def __init__(self, backend: SelectorBackend, state: LoopState, groups_per_step: int, clock: Clock,
@@ -447,16 +452,17 @@ class SelectorLoop:
         True when ``step`` started. The batch is kept while the step before
         computes; ``block`` waits for that step instead of returning False.
         """
-        if self.training is not None:
-            self._finish(timeout=0.0)
         if self.ahead is None or self.ahead[0] != step:
+            if self.training is not None:
+                self._finish(timeout=0.0)
             selection = self._select(step)
             if selection is None:
                 return False
             self.ahead = (step, selection)
-        if self.training is not None and self._finish(timeout=None if block else 0.0) is None:
+        if self.training is None:
+            self._start(*self.ahead)
+        elif self._finish(timeout=None if block else 0.0, then=self.ahead) is None:
             return False
-        self._start(step, self.ahead[1])
         self.ahead = None
         return True
 
@@ -484,8 +490,13 @@ class SelectorLoop:
             for g in consumed:
                 self.state.unused.pop(g, None)
 
-    def _finish(self, timeout: float | None) -> StepOutcome | None:
-        """Collect the step under way: new version, weight push, record."""
+    def _finish(self, timeout: float | None, then: tuple[int, Any] | None = None) -> StepOutcome | None:
+        """Collect the step under way (new version, weight push, record), and start ``then`` (step, batch).
+
+        ``then`` starts before the push and the record, so the trainer goes
+        on at once, unless recording the finished step uses the trainer (a
+        checkpoint: it must save exactly that step's state).
+        """
         assert self.training is not None
         outcome = self.backend.finish_train(self.training.handle, timeout)
         if outcome is None:
@@ -493,8 +504,13 @@ class SelectorLoop:
         step, self.train_s = self.training.step, self.clock.now() - self.training.started
         self.training = None
         self.state.set_version(outcome.version)
+        early = then is not None and not self.backend.uses_trainer(step)
+        if early:
+            self._start(*then)
         self.backend.push_weights(outcome.version)
         self.backend.record(step)  # after the push: the engine gets the new weights without waiting for logging
+        if then is not None and not early:
+            self._start(*then)
         return outcome
 
     def _may_be_ready(self) -> bool:

@@ -258,8 +258,9 @@ class DeltaTrajectoryStore:
             return table
         try:
             table.update_incremental()
-        except DeltaError as exc:
-            raise StorageError(f"refreshing {self.table_uri(name)} failed: {exc}") from exc
+        except DeltaError:  # replaced under us (a table deleted and created again): open it afresh
+            del self._kept[name]
+            return self._latest(name)
         return table
 
     def _open_or_create(self, name: str) -> DeltaTable:
@@ -288,7 +289,7 @@ class DeltaTrajectoryStore:
         props = CommitProperties(app_transactions=[Transaction(app_id, txn_version)])
         failure: CommitFailedError | None = None
         for _ in range(COMMIT_ATTEMPTS):
-            table = self._open_or_create(name)
+            table = self._latest(name) or self._open_or_create(name)  # kept tables read only new commits
             if _already_committed(table, app_id, txn_version):
                 return None
             try:
@@ -356,7 +357,7 @@ class DeltaTrajectoryStore:
         builder = QueryBuilder()
         missing = []
         for name in TABLE_SPECS:
-            table = self._open(name, as_of.get(name))
+            table = self._open(name, as_of[name]) if name in as_of else self._latest(name)
             if table is None:
                 if name in as_of:
                     raise StorageError(f"table {name!r} does not exist yet under {self.root}")

@@ -222,10 +222,12 @@ class Snapshot:
     weights: object  # ray.ObjectRef
 
 
-def snapshot(run_dir: str, step: int, version: int) -> Snapshot:
-    """Reference the trainer's current weights (no copy through this process)."""
-    ctx = context(run_dir)
-    return Snapshot(step, version, actor(ctx.record.trainer, ctx.record.namespace).export_weights.remote())
+def snapshot(run_dir: str, step: int, version: int, weights: object = None) -> Snapshot:
+    """Reference the trainer's current weights, or ``weights`` (a reference to them); no copy through here."""
+    if weights is None:
+        ctx = context(run_dir)
+        weights = actor(ctx.record.trainer, ctx.record.namespace).export_weights.remote()
+    return Snapshot(step, version, weights)
 
 
 def abort_generation(run_dir: str) -> None:

@@ -232,7 +232,8 @@ class RaySelector:
     """``SelectorBackend`` over the trajectory tables, the trainer actor and the tracking tasks."""
 
     def __init__(self, run_dir: str, state: LoopState, controller: ConcurrencyController,
-                 on_step: Any, replay: bool, tokens_by_engine: Sequence[int] = (0,)) -> None:
+                 on_step: Any, replay: bool, tokens_by_engine: Sequence[int] = (0,),
+                 checkpoints: Any = lambda step: False) -> None:
         self.run_dir = run_dir
         self.ctx = context(run_dir)
         cfg = self.ctx.cfg
@@ -244,6 +245,9 @@ class RaySelector:
         self.tables = CachedTables(self.ctx.store)
         self.state, self.controller, self.on_step = state, controller, on_step
         self.tokens_by_engine = tokens_by_engine  # the feeder's running counts (main engine first)
+        self.checkpoints = checkpoints  # step -> whether recording it saves a checkpoint
+        self.trainer = actor(self.ctx.record.trainer, self.ctx.record.namespace)
+        self._weights: dict[int, Any] = {}  # version -> reference to its weights, taken as its step finished
         self.seen = SelectorRecord()
         # Where the selector's time goes between two updates (trainer idle), seconds; the log of step k is
         # known only after it, so each step reports the previous step's logging time.
@@ -279,14 +283,19 @@ class RaySelector:
         if updated is None:
             return None
         step = pending.step
+        # before any later call reaches the trainer: the push and the eval snapshot of this step use these
+        self._weights[updated.version] = self.trainer.export_weights.remote()
         self._trained[step] = (selection, updated, self._step_metrics(step, selection, updated))
         return StepOutcome(version=updated.version, groups=len(set(selection.group_ids)),
                            consumed=self.consumed(selection))
 
     def push_weights(self, version: int) -> None:
         started = self.ctx.clock.now()
-        push_weights(self.run_dir, version)
+        push_weights(self.run_dir, version, self._weights[version])
         self.phase_s["push"] = self.ctx.clock.now() - started
+
+    def uses_trainer(self, step: int) -> bool:
+        return bool(self.checkpoints(step))
 
     def record(self, step: int) -> None:
         selection, updated, metrics = self._trained.pop(step)
@@ -294,7 +303,7 @@ class RaySelector:
         m["select_seconds"], m["push_seconds"] = self.phase_s["select"], self.phase_s["push"]
         m["previous_log_seconds"] = self.phase_s["log"]
         started = self.ctx.clock.now()
-        self.on_step(step, selection, updated, metrics)
+        self.on_step(step, selection, updated, metrics, self._weights.pop(updated.version))
         self.phase_s["log"] = self.ctx.clock.now() - started
 
     def _step_metrics(self, step: int, sel: ReplaySelection, updated: UpdateSummary) -> StepRecord:

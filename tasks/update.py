@@ -136,14 +136,15 @@ def sync_weights(run_dir: str, version: int) -> SyncSummary:
 
 
 @task(name="push_weights", cache_policy=NO_CACHE)
-def push_weights(run_dir: str, version: int) -> None:
-    """Send the trainer's weights to every engine and return at once (streaming modes).
+def push_weights(run_dir: str, version: int, weights: Any = None) -> None:
+    """Send the trainer's weights (or ``weights``, a reference to them) to every engine; return at once.
 
-    The engine loads them between two drain windows; the weights go trainer
-    -> object store -> engine, never through this process.
+    Streaming modes. The engine loads them between two drain windows; the
+    weights go trainer -> object store -> engine, never through this process.
     """
     ctx = context(run_dir)
-    weights = actor(ctx.record.trainer, ctx.record.namespace).export_weights.remote()
+    if weights is None:
+        weights = actor(ctx.record.trainer, ctx.record.namespace).export_weights.remote()
     for name in ctx.record.engines:
         actor(name, ctx.record.namespace).update_weights.remote(weights, version)
 

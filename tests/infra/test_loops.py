@@ -122,6 +122,7 @@ class FakeSelector:
         self.computing: tuple[int, ReplaySelection] | None = None
         self.rng: random.Random | None = None  # set: a step takes 0 to 3 polls to finish
         self.polls_left = 0
+        self.early = 0  # steps started before the one before was recorded
 
     def select(self, step: int, trainer_version: int) -> ReplaySelection:
         return select_batch(self.tables, RUN, trainer_version, self.groups, self.policy,
@@ -131,8 +132,14 @@ class FakeSelector:
         return tuple(sorted({int(g.rsplit("/g", 1)[1]) for g, k in zip(selection.group_ids, selection.kinds)
                              if k != "replay"}))
 
+    def uses_trainer(self, step: int) -> bool:
+        return step % 3 == 2  # "checkpoint" steps
+
     def start_train(self, step: int, selection: ReplaySelection) -> tuple[int, ReplaySelection]:
         assert self.computing is None, "the trainer runs one step at a time"
+        if step > 0 and self.uses_trainer(step - 1):
+            assert self.recorded[-1][0] == step - 1, "a step started before the checkpoint of the one before"
+        self.early += step > 0 and self.recorded[-1:] != [(step - 1, self.version)]  # started before recording
         assert selection.trainer_version == self.version, "a batch chosen for another version"
         self.store.append_usage(selection.usage_rows(RUN, step), app_id=f"{RUN}:usage", txn_version=step)
         self.batches[step] = selection
@@ -198,6 +205,9 @@ def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed:
     assert step >= 6, "the schedule should keep training (no deadlock between the loops)"
     if ahead:  # some batches were chosen while the step before was computing, and trained one version later
         assert selector.selected_ahead > 0
+        assert trainer.early > 0, "no step started before the push and record of the one before"
+    else:
+        assert trainer.early == 0
     assert trainer.recorded == [(s, s + 1) for s in range(step)], "each step is recorded once, after its push"
 
     written = {r.trajectory_id: r for r in engine.written}
