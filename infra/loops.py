@@ -64,6 +64,7 @@ class LoopState:
     groups_written: int = 0  # whole groups appended to the trajectories table
     groups_consumed: int = 0  # unused (fresh or stale) groups trained on
     groups_expired: int = 0  # written groups that aged out of the window unused (wasted generation)
+    groups_abandoned: int = 0  # groups aborted in flight: a finished sample was already out of the window
     unused: dict[int, int] = field(default_factory=dict)  # written, not trained on: group -> oldest version
     engine_busy_s: float = 0.0  # engine time spent stepping with requests in flight
     generated_tokens: int = 0
@@ -218,6 +219,10 @@ class FeederBackend(Protocol):
         """Score whole groups and append them to the buffer as chunk ``chunk`` (idempotent per chunk)."""
         ...
 
+    def abandon(self, groups: Sequence[int]) -> None:
+        """Abort the requests of ``groups`` still in flight, without waiting; their results are not needed."""
+        ...
+
 
 class FeederLoop:
     """Generators -> score -> buffer, with the staleness gate and adaptive concurrency."""
@@ -235,6 +240,7 @@ class FeederLoop:
         self._in_flight = 0  # requests
         self._partial: dict[int, list[Finished]] = {}
         self._complete: dict[int, list[Finished]] = {}
+        self._abandoned: set[int] = set()  # groups given up while in flight (results still arriving are dropped)
         self._handle: Any = None
         self._chunk = 0
         self._written = 0  # groups written
@@ -267,8 +273,27 @@ class FeederLoop:
 
     @property
     def in_flight_groups(self) -> int:
-        """Groups submitted and not yet written."""
-        return self._next_group - self._written
+        """Groups submitted and neither written nor abandoned."""
+        return self._next_group - self._written - len(self._abandoned)
+
+    def _abandon_expired(self) -> None:
+        """Give up groups that can no longer be trained on, and free their slots in the engine.
+
+        A group's version is its oldest token's, so once a finished sample is
+        older than the staleness window the group never will be admissible;
+        finishing its other samples would only cost generation.
+        """
+        with self.state.cond:
+            oldest_ok = self.state.trainer_version - self.gate.max_staleness_versions
+        hopeless = [g for g, items in self._partial.items() if min(i.result.version for i in items) < oldest_ok]
+        if not hopeless:
+            return
+        self.backend.abandon(hopeless)
+        for g in hopeless:
+            self._in_flight -= self.backend.samples_per_group - len(self._partial.pop(g))
+            self._abandoned.add(g)
+        with self.state.cond:
+            self.state.groups_abandoned += len(hopeless)
 
     def _flush(self, force: bool = False) -> None:
         """Write the groups completed so far (while the engine runs the next window).
@@ -301,19 +326,23 @@ class FeederLoop:
         if self._handle is not None:
             drained = self.backend.wait_drain(self._handle)
             self._handle = None
-            tokens = 0
+            tokens = finished = 0
             for item in drained.finished:
-                self._partial.setdefault(item.group, []).append(item)
                 tokens += item.tokens
+                if item.group in self._abandoned:  # finished before its abort reached the engine
+                    continue
+                finished += 1
+                self._partial.setdefault(item.group, []).append(item)
                 if len(self._partial[item.group]) == self.backend.samples_per_group:
                     self._complete[item.group] = self._partial.pop(item.group)
             # Admission is in whole groups, so a full engine sits up to one group below the target.
             saturated = self._in_flight + self.backend.samples_per_group > self.controller.target
-            self._in_flight -= len(drained.finished)
+            self._in_flight -= finished
             with self.state.cond:
                 self.state.engine_busy_s += drained.busy_s
                 self.state.generated_tokens += tokens
             self.controller.observe(tokens, drained.busy_s, saturated)
+            self._abandon_expired()
         self._admit()
         if self._in_flight > 0:
             self._handle = self.backend.start_drain(self.window_s)

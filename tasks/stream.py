@@ -218,6 +218,14 @@ class RayFeeder:
         results = [f.result for g in sorted(groups) for f in groups[g]]
         self.last_write = write_groups(self.run_dir, chunk, ray.put(results))
 
+    def abandon(self, groups: Sequence[int]) -> None:
+        drop = set(groups)
+        for engine, pending in zip(self.engines, self.pending):
+            ids = [rid for rid in pending.requests if group_of(rid) in drop]
+            if ids:
+                pending.forget(ids)  # never re-issued after an engine restart
+                engine.abort.remote(ids)  # runs after the engine's current window
+
 
 @dataclass
 class SelectorRecord:
@@ -341,6 +349,7 @@ class RaySelector:
             "fresh_samples": float(kinds["fresh"]), "stale_samples": float(kinds["stale"]),
             "replayed_samples": float(kinds["replay"]), "concurrency_target": float(self.controller.target),
             "groups_expired": float(self.state.groups_expired),
+            "groups_abandoned": float(self.state.groups_abandoned),
             "policy_version": float(updated.version), "samples": float(len(sel.trajectory_ids)),
             "usage_delta_version": float(updated.usage_delta_version if updated.usage_delta_version is not None
                                          else -1),

@@ -67,11 +67,17 @@ class FakeEngine:
         self.in_flight: dict[str, list[int]] = {}  # request id -> token versions so far
         self.pending_weights: list[int] = []  # pushed but not loaded yet (loads between windows)
         self.written: list[Trajectory] = []
+        self.abandoned: list[int] = []
 
     def submit(self, groups) -> None:
         for g in groups:
             for k in range(self.samples_per_group):
                 self.in_flight[f"g{g}/p{g}/{k}"] = []
+
+    def abandon(self, groups) -> None:
+        self.abandoned += groups
+        for rid in [r for r in self.in_flight if int(r.split("/")[0][1:]) in groups]:
+            del self.in_flight[rid]
 
     def start_drain(self, window_s: float):
         if self.pending_weights:
@@ -230,6 +236,49 @@ def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed:
         uses.update(sel.trajectory_ids)
     if replay and stale > 0:  # at S = 0 nothing already trained on is still admissible
         assert any(trainer.batches[s].replay_share > 0 for s in range(step)), "replay never filled a batch"
+    assert not {f"{RUN}/g{g}" for g in engine.abandoned} & {r.group_id for r in engine.written}
+    assert state.groups_abandoned == len(engine.abandoned)
+
+
+def test_feeder_abandons_groups_that_aged_out_in_flight() -> None:
+    """A group with a finished sample older than the window is aborted; its late results are dropped."""
+    class Scripted(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__(random.Random(0), 2)
+            self.finish: list[str] = []  # request ids the next window finishes
+
+        def wait_drain(self, handle) -> Drained:
+            finished = []
+            for rid in self.finish:
+                self.in_flight.pop(rid, None)
+                result = GenResult(rid, [5], [-0.1], "stop", [self.version], self.version)
+                finished.append(Finished(int(rid.split("/")[0][1:]), result, 1))
+            self.finish = []
+            return Drained(finished, busy_s=0.1, in_flight=len(self.in_flight))
+
+        def write(self, chunk, groups) -> None:
+            self.written_groups = [*getattr(self, "written_groups", []), *groups]
+
+    state = LoopState()
+    engine = Scripted()
+    feeder = FeederLoop(engine, state, StalenessGate(1, 2, 2), ConcurrencyController(4, 2, 4, 1), VirtualClock(),
+                        write_min_groups=1)
+    feeder.run_once()  # admits groups 0 and 1 (the gate's cap: 2 groups ahead)
+    assert feeder.in_flight_groups == 2 and len(engine.in_flight) == 4
+    engine.finish = ["g0/p0/0"]  # sampled at version 0
+    feeder.run_once()
+    state.set_version(2)  # the window is now versions 1..2: group 0 can never be trained on
+    engine.version = 2  # the engine has the new weights
+    engine.finish = ["g1/p1/0"]
+    feeder.run_once()
+    assert engine.abandoned == [0] and state.groups_abandoned == 1
+    assert "g0/p0/1" not in engine.in_flight, "the rest of the group was not aborted"
+    assert feeder.in_flight_groups == 2  # group 1 and a new group in group 0's place
+    engine.finish = ["g0/p0/1", "g1/p1/1"]  # group 0's last sample finished before its abort arrived
+    feeder.run_once()
+    feeder._flush(force=True)
+    assert engine.written_groups == [1]
+    assert feeder._in_flight == len(engine.in_flight)  # late results were not counted twice
 
 
 def test_feeder_failure_stops_the_selector(tmp_path: Path) -> None:
