@@ -276,6 +276,7 @@ class TrainerWorker:
             table = self.store.read_trajectories(run_id=run_id, ids=trajectory_ids)
         else:
             table = self.recent.read(run_id, trajectory_ids, versions)
+            self.recent.keep_fresh()  # the next step's files are read while this one computes
         if table.num_rows != len(set(trajectory_ids)):
             raise RuntimeError(f"trainer: {len(set(trajectory_ids))} trajectories selected, "
                                f"{table.num_rows} found in {self.store_root}")

@@ -7,10 +7,15 @@ this machine (0.33 s a step with the scan, in a 1.9 s reflow step). The
 table is append-only between compactions, so a reader that keeps the rows
 of every file it has read needs to read only the files added since: a few
 small ones per step, in a few milliseconds.
+
+``keep_fresh`` reads new files in a background thread as they are
+committed, so the trainer's read finds them already there (it reads them
+while the previous step computes, not before its own).
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Sequence
 from urllib.parse import urlparse
@@ -45,25 +50,65 @@ class RecentTrajectories:
         self.table: DeltaTable | None = None  # kept open: each refresh reads only new commits
         self.parts: dict[str, tuple[int, pa.Table]] = {}  # file path -> (policy version, its rows)
         self.seen: set[str] = set()  # files read or dropped
+        self.lowest: int | None = None  # the lowest version the last read asked for
+        self.lock = threading.Lock()  # the background reader and ``read`` take turns
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def read(self, run_id: str, ids: Sequence[str], versions: tuple[int, int]) -> pa.Table:
         if self.local is not None:
-            try:
-                rows = self._kept(versions)
-            except (DeltaError, OSError, pa.ArrowException):  # the store's read reports it, or succeeds
-                self.parts, self.seen, self.table, rows = {}, set(), None, None
+            with self.lock:
+                self.lowest = versions[0]
+                try:
+                    rows = self._kept(versions)
+                except (DeltaError, OSError, pa.ArrowException):  # the store's read reports it, or succeeds
+                    self._forget()
+                    rows = None
             if rows is not None:
                 found = rows.filter(trajectory_filter(run_id, None, ids, versions))
                 if found.num_rows == len(set(ids)):
                     return found.sort_by(_READ_ORDER)
         return self.store.read_trajectories(run_id=run_id, ids=ids, versions=versions)
 
+    def keep_fresh(self, interval_s: float = 0.2) -> None:
+        """Read files as they are committed, every ``interval_s``, in a daemon thread (after a first read)."""
+        if self.local is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._refresh_loop, args=(interval_s,), name="recent-reads",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _refresh_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            with self.lock:
+                if self.lowest is None:
+                    continue
+                try:
+                    self._scan(self.lowest)
+                except (DeltaError, OSError, pa.ArrowException):  # the next read falls back and reports it
+                    self._forget()
+
+    def _forget(self) -> None:
+        self.parts, self.seen, self.table = {}, set(), None
+
     def _kept(self, versions: tuple[int, int]) -> pa.Table | None:
+        if not self._scan(versions[0]):
+            return None
+        return pa.concat_tables([rows for _, rows in self.parts.values()])
+
+    def _scan(self, lowest: int) -> bool:
+        """Read the files committed since the last scan, drop those below ``lowest``; False: nothing kept."""
         if self.table is None:
             try:
                 self.table = DeltaTable(str(self.local))
             except TableNotFoundError:
-                return None
+                return False
         else:
             self.table.update_incremental()
         files = pa.table(self.table.get_add_actions(flatten=True))
@@ -75,13 +120,11 @@ class RecentTrajectories:
             if path in self.seen:
                 continue
             self.seen.add(path)
-            if version >= versions[0]:
+            if version >= lowest:
                 rows = pq.read_table(Path(self.local) / path)
                 if "policy_version" not in rows.column_names:  # a partition column lives in the log, not the file
                     rows = rows.append_column("policy_version", pa.array([version] * rows.num_rows, pa.int64()))
                 self.parts[path] = (version, rows.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA))
-        for path in [p for p, (v, _) in self.parts.items() if v < versions[0]]:
+        for path in [p for p, (v, _) in self.parts.items() if v < lowest]:
             del self.parts[path]
-        if not self.parts:
-            return None
-        return pa.concat_tables([rows for _, rows in self.parts.values()])
+        return bool(self.parts)

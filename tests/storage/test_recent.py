@@ -56,3 +56,30 @@ def test_older_rows_and_rewritten_files_fall_back_to_the_store(tmp_path: Path) -
     assert got.equals(store.read_trajectories(run_id="run-a", ids=second + third, versions=(3, 4)))
     # other runs' rows in the same files are never returned
     assert recent.read("run-b", second, (3, 4)).num_rows == 0
+
+
+def test_kept_fresh_new_files_are_read_before_the_next_read(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``keep_fresh`` a committed file is read in the background; the next read reads nothing."""
+    import time
+
+    store = DeltaTrajectoryStore(str(tmp_path / "tables"))
+    reads: list[str] = []
+    real = pq.read_table
+    monkeypatch.setattr(recent_module.pq, "read_table", lambda path, *a, **k: reads.append(str(path)) or real(path))
+    recent = RecentTrajectories(store)
+    first = _append(store, 0, version=1)
+    assert recent.read("run-a", first, (1, 1)).num_rows == 6 and len(reads) == 1
+    recent.keep_fresh(interval_s=0.01)
+    try:
+        _append(store, 1, version=0)  # below the lowest version asked for: never read
+        second = _append(store, 2, version=2)
+        deadline = time.monotonic() + 10
+        while len(reads) < 2:
+            assert time.monotonic() < deadline, "the background reader did not read the new file"
+            time.sleep(0.01)
+        got = recent.read("run-a", first + second, (1, 2))
+        assert len(reads) == 2, "the read read a file again"
+        assert got.equals(store.read_trajectories(run_id="run-a", ids=first + second, versions=(1, 2)))
+    finally:
+        recent.close()
