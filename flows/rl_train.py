@@ -28,7 +28,8 @@ from prefect import flow
 
 from reflow.infra.clock import SystemClock
 from reflow.infra.config import ReflowConfig
-from reflow.infra.loops import ConcurrencyController, FeederLoop, LoopState, SelectorLoop, StalenessGate
+from reflow.infra.loops import ConcurrencyController, FeederLoop, LoopState, StalenessGate
+from reflow.infra.selector import SelectorLoop
 from reflow.tasks.lifecycle import (RunOutcome, abort_generation, evaluate_snapshots, finalize, prepare,
                                     recorded_baseline, restore, snapshot, teardown, track, TrackQueue)
 from reflow.tasks.metrics import step_metrics

@@ -18,7 +18,8 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from reflow.infra.loops import ConcurrencyController, Drained, Finished, LoopState, StepOutcome
+from reflow.infra.loops import ConcurrencyController, Drained, Finished, LoopState
+from reflow.infra.selector import StepOutcome
 from reflow.infra.run import StepRecord
 from reflow.infra.workers import actor
 from reflow.policies.offpolicy import replay_weight

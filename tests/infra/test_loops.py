@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from reflow.infra.clock import VirtualClock
-from reflow.infra.loops import (ConcurrencyController, Drained, FeederLoop, Finished, LoopState, SelectorLoop,
-                                StalenessGate, StepOutcome)
+from reflow.infra.loops import ConcurrencyController, Drained, FeederLoop, Finished, LoopState, StalenessGate
+from reflow.infra.selector import SelectorLoop, StepOutcome
 from reflow.policies.engines import GenResult
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.replay import CachedTables, ReplayPolicy, ReplaySelection, recorded_batch, select_batch

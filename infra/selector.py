@@ -1,0 +1,218 @@
+"""The selector loop of the streaming modes: buffer -> batch -> trainer -> weights -> generators.
+
+The other half of ``infra.loops`` (which describes both loops and holds the
+feeder, the shared ``LoopState`` and the controllers); this module holds the
+selector, its backend interface, and selecting ahead (``buffer.select_ahead``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from reflow.infra.clock import Clock
+from reflow.infra.loops import LoopState
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the selector loop learns from one trainer step."""
+
+    version: int  # trainer version after the step
+    groups: int
+    consumed: tuple[int, ...]  # stream positions of the unused (fresh or stale) groups trained on
+
+    @property
+    def fresh_groups(self) -> int:
+        return len(self.consumed)
+
+
+class SelectorBackend(Protocol):
+    """What the selector drives: the buffer's query, the trainer, the weight push."""
+
+    def select(self, step: int, trainer_version: int) -> Any:
+        """A ``storage.replay.ReplaySelection`` (possibly short or empty) for a trainer at ``trainer_version``."""
+        ...
+
+    def consumed(self, selection: Any) -> tuple[int, ...]:
+        """Stream positions of the unused (fresh or stale) groups in ``selection``."""
+        ...
+
+    def start_train(self, step: int, selection: Any) -> Any:
+        """Start the trainer on ``selection`` and log it as step ``step``; returns a handle at once."""
+        ...
+
+    def finish_train(self, handle: Any, timeout: float | None) -> StepOutcome | None:
+        """The step's outcome; None if the trainer is still computing after ``timeout`` seconds (None: wait)."""
+        ...
+
+    def push_weights(self, version: int) -> None:
+        """Send the weights of ``version`` (taken when its step finished) to the engines without waiting."""
+        ...
+
+    def record(self, step: int) -> None:
+        """Log step ``step`` (metrics, eval snapshot, checkpoint); called once its weights are on their way."""
+        ...
+
+    def uses_trainer(self, step: int) -> bool:
+        """Whether recording ``step`` calls the trainer (a checkpoint): the next step then starts after it."""
+        ...
+
+
+@dataclass
+class _Training:
+    """The trainer step under way (``select_ahead``)."""
+
+    step: int
+    handle: Any
+    started: float
+
+
+class SelectorLoop:
+    """Buffer -> batch -> trainer -> new weights -> generators.
+
+    Plain (``select_ahead=False``, ``try_step``): select, train, push, record,
+    then select again; the trainer waits for the query and for the logging.
+
+    ``select_ahead=True`` (reflow): the next step's batch is chosen while the
+    trainer computes, for the version the trainer will be at when it starts
+    it (its current version plus one), and the step starts the moment the
+    trainer is free, its weights pushed and its record logged. The query runs
+    late in the step (``lead_s`` plus the last query's time before the
+    trainer is expected to finish), so the batch misses only the groups
+    written in that lead. The next step starts before the finished one's
+    weight push and record (the backend took its weights as it finished);
+    a checkpoint, which reads the trainer's state, is saved before it.
+    """
+
+    def __init__(self, backend: SelectorBackend, state: LoopState, groups_per_step: int, clock: Clock,
+                 min_unused_groups: int, poll_s: float = 0.5, select_ahead: bool = False,
+                 lead_s: float = 0.05, busy_poll_s: float = 0.05) -> None:
+        self.backend, self.state, self.groups_per_step, self.clock = backend, state, groups_per_step, clock
+        self.min_unused_groups = min_unused_groups  # a batch needs at least this many unused groups
+        self.poll_s, self.select_ahead, self.lead_s, self.busy_poll_s = poll_s, select_ahead, lead_s, busy_poll_s
+        self.waited_s = 0.0  # time spent waiting for an admissible batch while the trainer had nothing (idle)
+        self.training: _Training | None = None
+        self.ahead: tuple[int, Any] | None = None  # (step, selection) chosen while the trainer computes
+        self.train_s: float | None = None  # the last step's start-to-finish time
+        self.select_s = 0.0  # the last query's time
+        self.selected_ahead = 0  # batches chosen while the step before was computing
+        self._short: tuple[int, int] | None = None  # (groups written, version) of the last query that came short
+
+    def batch_ready(self, selection: Any) -> bool:
+        """A full batch of whole groups (the replay share is already capped by the query)."""
+        return len(set(selection.group_ids)) >= self.groups_per_step
+
+    def try_step(self, step: int) -> StepOutcome | None:
+        """Train step ``step`` if a full batch is admissible now; None otherwise (plain form)."""
+        selection = self._select(step)
+        if selection is None:
+            return None
+        self._start(step, selection)
+        return self._finish(timeout=None)
+
+    def try_start(self, step: int, block: bool = False) -> bool:
+        """``select_ahead`` form: finish the step under way if it is done, choose ``step``'s batch, start it.
+
+        True when ``step`` started. The batch is kept while the step before
+        computes; ``block`` waits for that step instead of returning False.
+        """
+        if self.ahead is None or self.ahead[0] != step:
+            if self.training is not None:
+                self._finish(timeout=0.0)
+            selection = self._select(step)
+            if selection is None:
+                return False
+            self.ahead = (step, selection)
+        if self.training is None:
+            self._start(*self.ahead)
+        elif self._finish(timeout=None if block else 0.0, then=self.ahead) is None:
+            return False
+        self.ahead = None
+        return True
+
+    def _select(self, step: int) -> Any | None:
+        if not self._may_be_ready():
+            return None
+        with self.state.cond:
+            inputs = (self.state.groups_written, self.state.trainer_version + (self.training is not None))
+        if inputs == self._short:
+            return None  # nothing written since the same query came short
+        started = self.clock.now()
+        selection = self.backend.select(step, inputs[1])
+        self.select_s = self.clock.now() - started
+        if not self.batch_ready(selection):
+            self._short = inputs
+            return None
+        self.selected_ahead += self.training is not None
+        return selection
+
+    def _start(self, step: int, selection: Any) -> None:
+        consumed = self.backend.consumed(selection)
+        self.training = _Training(step, self.backend.start_train(step, selection), self.clock.now())
+        with self.state.cond:  # consumed from now on: the feeder may replace them while the step computes
+            self.state.groups_consumed += len(consumed)
+            for g in consumed:
+                self.state.unused.pop(g, None)
+
+    def _finish(self, timeout: float | None, then: tuple[int, Any] | None = None) -> StepOutcome | None:
+        """Collect the step under way (new version, weight push, record), and start ``then`` (step, batch).
+
+        ``then`` starts before the push and the record, so the trainer goes
+        on at once, unless recording the finished step uses the trainer (a
+        checkpoint: it must save exactly that step's state).
+        """
+        assert self.training is not None
+        outcome = self.backend.finish_train(self.training.handle, timeout)
+        if outcome is None:
+            return None
+        step, self.train_s = self.training.step, self.clock.now() - self.training.started
+        self.training = None
+        self.state.set_version(outcome.version)
+        early = then is not None and not self.backend.uses_trainer(step)
+        if early:
+            self._start(*then)
+        self.backend.push_weights(outcome.version)
+        self.backend.record(step)  # after the push: the engine gets the new weights without waiting for logging
+        if then is not None and not early:
+            self._start(*then)
+        return outcome
+
+    def _may_be_ready(self) -> bool:
+        """Cheap pre-check before the query: enough admissible groups written and not yet consumed."""
+        with self.state.cond:
+            return len(self.state.unused) >= self.min_unused_groups
+
+    def _until_select(self) -> float:
+        """Seconds to let the step under way run before choosing the next batch."""
+        if self.training is None or self.train_s is None:
+            return 0.0
+        lead = self.lead_s + self.select_s
+        return max(0.0, self.training.started + self.train_s - lead - self.clock.now())
+
+    def run(self, steps: range) -> None:
+        """Train every step of ``steps``; between failed attempts, wait for the feeder to write more."""
+        for step in steps:
+            if self.select_ahead and self.training is not None:
+                self._finish(timeout=self._until_select())
+            while True:
+                with self.state.cond:
+                    seen = self.state.groups_written
+                started = self.clock.now()
+                if self.try_start(step, block=True) if self.select_ahead else self.try_step(step) is not None:
+                    break
+                if self.training is not None:  # no batch yet: collect the step under way meanwhile
+                    self._finish(timeout=self.busy_poll_s)
+                    continue
+                with self.state.cond:
+                    if self.state.stop:
+                        return
+                    if self.state.groups_written == seen:
+                        self.state.cond.wait(timeout=self.poll_s)
+                self.waited_s += self.clock.now() - started
+        self.finish()
+
+    def finish(self) -> None:
+        """Wait for the step under way, if any, and collect it."""
+        if self.training is not None:
+            self._finish(timeout=None)
