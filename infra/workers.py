@@ -218,6 +218,7 @@ class TrainerWorker:
         self.store = None
         self.recent = None
         self.trainer = Trainer(model_dir, cfg.train, cfg.run.seed, device=device, dtype=cfg.model.dtype)
+        self.max_staleness = cfg.buffer.max_staleness_versions  # no later batch reads below version - this
         self.replayed: dict[int, Any] = {}  # version a step started at -> its result, for steps replayed by recover
         if run_dir is not None and run_id is not None and _restarted():
             self.recover(run_dir, run_id)
@@ -275,7 +276,8 @@ class TrainerWorker:
         if versions is None:
             table = self.store.read_trajectories(run_id=run_id, ids=trajectory_ids)
         else:
-            table = self.recent.read(run_id, trajectory_ids, versions)
+            table = self.recent.read(run_id, trajectory_ids, versions,
+                                     keep_from=self.trainer.version - self.max_staleness)
             self.recent.keep_fresh()  # the next step's files are read while this one computes
         if table.num_rows != len(set(trajectory_ids)):
             raise RuntimeError(f"trainer: {len(set(trajectory_ids))} trajectories selected, "

@@ -21,11 +21,12 @@ from typing import Sequence
 from urllib.parse import urlparse
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
-from reflow.storage.delta_store import TRAJECTORIES, DeltaTrajectoryStore, trajectory_filter
+from reflow.storage.delta_store import TRAJECTORIES, DeltaTrajectoryStore
 from reflow.storage.schema import TRAJECTORY_SCHEMA
 
 _READ_ORDER = [("rollout_step", "ascending"), ("trajectory_id", "ascending")]
@@ -35,8 +36,11 @@ class RecentTrajectories:
     """``read_trajectories`` by ids over the files read so far, reading only new ones.
 
     Rows are kept per file; files whose partition (policy version) is below
-    the lowest version asked for are dropped, since a batch's staleness bound
-    only moves up. A read the kept rows cannot answer in full (an older
+    ``keep_from`` are dropped: the lowest version any later read can ask for
+    (the trainer's version minus the staleness bound, which only moves up).
+    Without it, the lowest version the read asks for: then a later batch
+    that reaches further back (a replayed group older than the previous
+    batch's oldest) is read from the table, about 0.4 s instead of 0.05. A read the kept rows cannot answer in full (an older
     version, a file dropped) and any read of a table on object storage goes
     to the store's own ``read_trajectories``. A file that disappears from the
     table (compaction, vacuum) clears what is kept: the rows are then read
@@ -55,17 +59,18 @@ class RecentTrajectories:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def read(self, run_id: str, ids: Sequence[str], versions: tuple[int, int]) -> pa.Table:
+    def read(self, run_id: str, ids: Sequence[str], versions: tuple[int, int],
+             keep_from: int | None = None) -> pa.Table:
         if self.local is not None:
             with self.lock:
-                self.lowest = versions[0]
+                self.lowest = versions[0] if keep_from is None else min(keep_from, versions[0])
                 try:
-                    rows = self._kept(versions)
+                    rows = self._kept()
                 except (DeltaError, OSError, pa.ArrowException):  # the store's read reports it, or succeeds
                     self._forget()
                     rows = None
             if rows is not None:
-                found = rows.filter(trajectory_filter(run_id, None, ids, versions))
+                found = _matching(rows, run_id, ids, versions)
                 if found.num_rows == len(set(ids)):
                     return found.sort_by(_READ_ORDER)
         return self.store.read_trajectories(run_id=run_id, ids=ids, versions=versions)
@@ -97,8 +102,9 @@ class RecentTrajectories:
     def _forget(self) -> None:
         self.parts, self.seen, self.table = {}, set(), None
 
-    def _kept(self, versions: tuple[int, int]) -> pa.Table | None:
-        if not self._scan(versions[0]):
+    def _kept(self) -> pa.Table | None:
+        assert self.lowest is not None
+        if not self._scan(self.lowest):
             return None
         return pa.concat_tables([rows for _, rows in self.parts.values()])
 
@@ -128,3 +134,12 @@ class RecentTrajectories:
         for path in [p for p, (v, _) in self.parts.items() if v < lowest]:
             del self.parts[path]
         return bool(self.parts)
+
+
+def _matching(rows: pa.Table, run_id: str, ids: Sequence[str], versions: tuple[int, int]) -> pa.Table:
+    """The rows of ``run_id`` with these ids and versions: ``delta_store.trajectory_filter`` as compute
+    kernels (a pyarrow expression plans a query first: 6 to 19 ms a read here, against 2)."""
+    version = rows.column("policy_version")
+    in_versions = pc.and_(pc.greater_equal(version, versions[0]), pc.less_equal(version, versions[1]))
+    wanted = pc.is_in(rows.column("trajectory_id"), value_set=pa.array(list(ids), pa.string()))
+    return rows.filter(pc.and_(pc.and_(pc.equal(rows.column("run_id"), run_id), in_versions), wanted))

@@ -58,6 +58,28 @@ def test_older_rows_and_rewritten_files_fall_back_to_the_store(tmp_path: Path) -
     assert recent.read("run-b", second, (3, 4)).num_rows == 0
 
 
+def test_rows_from_keep_from_on_are_kept_for_later_reads_that_reach_further_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's oldest row may be older than the previous batch's (replay): it is kept, not read from the table."""
+    store = DeltaTrajectoryStore(str(tmp_path / "tables"))
+    ids = {version: _append(store, version, version=version) for version in range(5)}
+    recent = RecentTrajectories(store)
+    fallbacks: list[tuple[int, int]] = []
+    real = store.read_trajectories
+    monkeypatch.setattr(store, "read_trajectories",
+                        lambda **k: fallbacks.append(k["versions"]) or real(**k))
+    assert recent.read("run-a", ids[3] + ids[4], (3, 4), keep_from=1).num_rows == 12
+    assert {v for v, _ in recent.parts.values()} == {1, 2, 3, 4}  # version 0 dropped: below keep_from
+    got = recent.read("run-a", ids[1][:2] + ids[4][:2], (1, 4), keep_from=2)
+    assert got.equals(real(run_id="run-a", ids=ids[1][:2] + ids[4][:2], versions=(1, 4)))
+    assert fallbacks == []
+    assert {v for v, _ in recent.parts.values()} == {1, 2, 3, 4}  # never above the lowest this read asked for
+    assert recent.read("run-a", ids[4], (4, 4), keep_from=2).num_rows == 6
+    assert {v for v, _ in recent.parts.values()} == {2, 3, 4}
+    recent.read("run-a", ids[1][:1], (1, 1), keep_from=2)  # below keep_from: was dropped, so the table answers
+    assert fallbacks == [(1, 1)]
+
+
 def test_kept_fresh_new_files_are_read_before_the_next_read(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``keep_fresh`` a committed file is read in the background; the next read reads nothing."""
