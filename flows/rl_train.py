@@ -129,7 +129,7 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> lis
     controller = ConcurrencyController(initial, minimum, maximum, c.increase, c.decrease, window_s=c.window_s)
     # The gate counts whole batches in both modes: reflow trains on fresh groups first, so it consumes a full
     # batch of them whenever they are there, and a gate sized by its minimum fresh share starves the engine.
-    backend = RayFeeder(run_dir)
+    backend = RayFeeder(run_dir, keep_going=lambda: not state.stop)
     feeder = FeederLoop(backend, state, StalenessGate(b.max_staleness_versions, groups, groups),
                         controller, clock, window_s=b.drain_window_s,
                         write_min_groups=max(1, fresh_per_step // 4))

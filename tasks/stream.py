@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import ray
@@ -164,16 +164,26 @@ class RayFeeder:
     drained on its own: ``wait_drain`` returns what the first engines to end
     their window finished, and only those start a new window, so a starved
     elastic engine (the trainer has its core) never holds up the main one.
+
+    An engine whose window ends with requests still in flight starts its
+    next window at once, before this process looks at what it finished:
+    the engine then waits only for the call's round trip, not for the
+    feeder's bookkeeping (new requests join it one window later). Without
+    this, each engine stood still about 40 ms of every 250 ms window on this
+    machine (generator idle 14%). ``keep_going`` (the loops still run) ends
+    the chaining when the run stops.
     """
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, keep_going: Callable[[], bool] = lambda: True) -> None:
         self.run_dir = run_dir
+        self.keep_going = keep_going
         self.ctx: TaskContext = context(run_dir)
         self.engines = [actor(name, self.ctx.record.namespace) for name in self.ctx.record.engines]
         self.samples_per_group = self.ctx.cfg.rollout.samples_per_prompt
         self.last_write: WriteSummary | None = None
         self.pending = [PendingRequests(e) for e in self.engines]
         self._drains: dict[Any, int] = {}  # drain in progress -> engine index
+        self._window_s = 0.25
         self.tokens_by_engine = [0] * len(self.engines)
 
     def submit(self, groups: Sequence[int]) -> None:
@@ -191,6 +201,7 @@ class RayFeeder:
 
     def start_drain(self, window_s: float) -> Any:
         """Start a window on every engine with requests and none running; a handle while any runs."""
+        self._window_s = window_s
         busy = set(self._drains.values())
         for i, (engine, pending) in enumerate(zip(self.engines, self.pending)):
             if i not in busy and pending.requests:
@@ -207,6 +218,8 @@ class RayFeeder:
         for ref in ready:
             i = self._drains.pop(ref)
             drain = self.pending[i].drained(ray.get(ref))
+            if drain.in_flight and self.keep_going():  # the next window first, then the bookkeeping
+                self._drains[self.engines[i].drain.remote(self._window_s)] = i
             items = [Finished(group_of(r.request_id), r, len(r.response_tokens)) for r in drain.results]
             self.tokens_by_engine[i] += sum(f.tokens for f in items)
             finished += items
