@@ -132,7 +132,7 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> lis
     backend = RayFeeder(run_dir, keep_going=lambda: not state.stop)
     feeder = FeederLoop(backend, state, StalenessGate(b.max_staleness_versions, groups, groups),
                         controller, clock, window_s=b.drain_window_s,
-                        write_min_groups=max(1, fresh_per_step // 4))
+                        write_min_groups=max(1, fresh_per_step // 4), batch_unused_groups=fresh_per_step)
     at = stream_position(run_dir)
     feeder.resume_at(at.next_group, at.next_chunk)
     # one update per step: the restored trainer's version is the number of steps done

@@ -231,11 +231,12 @@ class FeederLoop:
     def __init__(self, backend: FeederBackend, state: LoopState, gate: StalenessGate,
                  controller: ConcurrencyController, clock: Clock, window_s: float = 0.25,
                  idle_poll_s: float = 0.02, max_groups: int | None = None, write_min_groups: int = 1,
-                 write_max_wait_s: float = 1.0) -> None:
+                 write_max_wait_s: float = 1.0, batch_unused_groups: int = 0) -> None:
         self.backend, self.state, self.gate, self.controller, self.clock = backend, state, gate, controller, clock
         self.window_s, self.idle_poll_s, self.max_groups = window_s, idle_poll_s, max_groups
         # Fewer, larger appends: a Delta commit per window would leave thousands of small files.
         self.write_min_groups, self.write_max_wait_s = write_min_groups, write_max_wait_s
+        self.batch_unused_groups = batch_unused_groups  # the selector's minimum of unused groups per batch
         self._last_write = clock.now()
         self._next_group = 0
         self._in_flight = 0  # requests
@@ -300,12 +301,19 @@ class FeederLoop:
         """Write the groups completed so far (while the engine runs the next window).
 
         Waits for ``write_min_groups`` complete groups, or ``write_max_wait_s``
-        since the last write, unless ``force``.
+        since the last write, unless ``force`` or the selector is waiting for
+        them: fewer than ``batch_unused_groups`` unused groups are written,
+        and these make up the difference (the trainer would otherwise wait
+        for the batching; at most one such small write per step).
         """
         if not self._complete:
             return
         waited = self.clock.now() - self._last_write
-        if not force and len(self._complete) < self.write_min_groups and waited < self.write_max_wait_s:
+        with self.state.cond:
+            unused = len(self.state.unused)
+        needed = unused < self.batch_unused_groups <= unused + len(self._complete)
+        if not force and not needed and len(self._complete) < self.write_min_groups \
+                and waited < self.write_max_wait_s:
             return
         self._last_write = self.clock.now()
         groups, self._complete = self._complete, {}

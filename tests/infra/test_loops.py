@@ -326,6 +326,41 @@ def test_feeder_batches_appends_by_groups_or_time(tmp_path: Path) -> None:
     assert sum(engine.chunks) == state.groups_written >= before
 
 
+def test_feeder_writes_at_once_the_groups_that_complete_a_batch() -> None:
+    """Below the write batching: groups that bring the unused ones up to a batch's minimum are written at once."""
+    class Recorder(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__(random.Random(0), 2)
+            self.chunks: list[int] = []
+
+        def wait_drain(self, handle) -> Drained:  # one whole group finishes per window
+            rids = sorted(self.in_flight, key=lambda r: int(r.split("/")[0][1:]))[:2]
+            finished = []
+            for rid in rids:
+                del self.in_flight[rid]
+                finished.append(Finished(int(rid.split("/")[0][1:]), GenResult(rid, [5], [-0.1], "stop", [0], 0), 1))
+            return Drained(finished, busy_s=0.1, in_flight=len(self.in_flight))
+
+        def write(self, chunk, groups) -> None:
+            self.chunks.append(len(groups))
+
+    clock = VirtualClock()
+    engine, state = Recorder(), LoopState()
+    state.unused.update({100: 0, 101: 0})  # two unused groups written before; a batch needs three
+    feeder = FeederLoop(engine, state, StalenessGate(4, 4, 4), ConcurrencyController(8, 2, 8, 1), clock,
+                        write_min_groups=3, write_max_wait_s=10.0, batch_unused_groups=3)
+    feeder.run_once()  # submits
+    feeder.run_once()  # one group complete: with the two unused it makes a batch, so it is written alone
+    assert engine.chunks == [1] and len(state.unused) == 3
+    for _ in range(3):
+        feeder.run_once()  # enough unused now: back to batches of three
+    assert engine.chunks == [1, 3]
+    state.unused.clear()  # a step consumed them: the next groups wait for three again (none is enough alone)
+    feeder.run_once()
+    feeder.run_once()
+    assert engine.chunks == [1, 3]
+
+
 def test_controller_sees_an_engine_kept_full_in_whole_groups(tmp_path: Path) -> None:
     """Samples finish one by one but groups are admitted whole: a full engine is up to a group below target."""
     class Steady(FakeEngine):
