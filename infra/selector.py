@@ -87,9 +87,11 @@ class SelectorLoop:
     done makes it wait for the query, while one that starts early only
     leaves the newest groups to the next batch. With the last step's time,
     the trainer would have waited for the query in 13 to 15 of 26 steps of
-    three bench runs; with the shortest of the last four, in 4 to 7. The next step starts before the finished one's
-    weight push and record (the backend took its weights as it finished);
-    a checkpoint, which reads the trainer's state, is saved before it.
+    three bench runs; with the shortest of the last four, in 4 to 7.
+
+    The next step starts before the finished one's weight push and record
+    (the backend took its weights as it finished); a checkpoint, which
+    reads the trainer's state, is saved before it.
     """
 
     def __init__(self, backend: SelectorBackend, state: LoopState, groups_per_step: int, clock: Clock,

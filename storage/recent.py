@@ -40,7 +40,8 @@ class RecentTrajectories:
     (the trainer's version minus the staleness bound, which only moves up).
     Without it, the lowest version the read asks for: then a later batch
     that reaches further back (a replayed group older than the previous
-    batch's oldest) is read from the table, about 0.4 s instead of 0.05. A read the kept rows cannot answer in full (an older
+    batch's oldest) is read from the table, about 0.4 s instead of 0.05.
+    A read the kept rows cannot answer in full (an older
     version, a file dropped) and any read of a table on object storage goes
     to the store's own ``read_trajectories``. A file that disappears from the
     table (compaction, vacuum) clears what is kept: the rows are then read
