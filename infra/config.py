@@ -370,6 +370,10 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the field."""
 
 
+class InputError(Exception):
+    """Bad input to a command (not the config), detected before anything was written; exits with code 2."""
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
