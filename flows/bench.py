@@ -71,8 +71,11 @@ def bench_flow(config: str | None, overrides: list[str], modes: list[str], seeds
     meta = {"config": config, "overrides": overrides, "modes": modes, "seeds": seeds, "targets": targets,
             "target_rule": "given" if target is not None else "warm-start + 75% of sync's gain (per seed)",
             "smooth_evals": smooth_evals}
-    bench.write_json(Path(out) / "bench.json", results, summary, meta)
+    shares = bench.by_share(results) if "sync" in modes else None
+    bench.write_json(Path(out) / "bench.json", results, summary, meta, shares)
     bench.plot(results, Path(out) / "bench.png")
     print("\n" + bench.table(summary), flush=True)
+    if shares is not None:
+        print("\n" + bench.share_table(shares), flush=True)
     print(f"\ntargets: {targets}\nbench.json: {Path(out) / 'bench.json'}\nplot: {Path(out) / 'bench.png'}", flush=True)
     return summary

@@ -122,6 +122,46 @@ def default_target(sync: ModeResult, share: float = 0.75) -> float:
     return sync.baseline_accuracy + share * gain
 
 
+# Shares of sync's gain at which ``by_share`` times every mode (the default target is 0.75).
+TARGET_SHARES = (0.5, 0.75, 0.9)
+
+
+def by_share(results: list[ModeResult], shares: tuple[float, ...] = TARGET_SHARES) -> dict[str, dict]:
+    """Time to ``default_target(sync, share)`` per share, mode and seed (None: not reached).
+
+    One target says little about how a speedup depends on where the target
+    sits: a low one is reached in a few steps, where the first step (a full
+    batch of new groups in every mode) weighs most. Seeds without a sync run
+    are left out. ``{share: {mode: {seed: seconds or None}}}``, shares as
+    strings (JSON keys).
+    """
+    out: dict[str, dict] = {}
+    for share in shares:
+        rows: dict[str, dict[int, float | None]] = {}
+        for r in results:
+            sync = next((s for s in results if s.seed == r.seed and s.mode == "sync"), None)
+            if sync is not None:
+                rows.setdefault(r.mode, {})[r.seed] = time_to_target(smoothed(r.eval_curve, r.smooth_evals),
+                                                                     default_target(sync, share))
+        out[f"{share:g}"] = rows
+    return out
+
+
+def share_table(shares: dict[str, dict]) -> str:
+    """``by_share`` as text: seconds per seed, and sync's time over the mode's in brackets."""
+    lines = ["time to warm-start + SHARE of sync's gain, s per seed (x: sync's time / the mode's)"]
+    for share, rows in shares.items():
+        sync = rows.get("sync", {})
+        for i, (mode, times) in enumerate(rows.items()):
+            cells = []
+            for seed, t in times.items():
+                ref = sync.get(seed)
+                ratio = f" ({ref / t:.2f}x)" if t and ref and mode != "sync" else ""
+                cells.append(f"s{seed} {'never' if t is None else f'{t:.1f}'}{ratio}")
+            lines.append(f"{share if i == 0 else '':<6}{mode:<17}" + "   ".join(cells))
+    return "\n".join(lines)
+
+
 def with_target(result: ModeResult, target: float) -> ModeResult:
     data = asdict(result)
     data.update(target_accuracy=target,
@@ -218,8 +258,13 @@ def plot(results: list[ModeResult], path: Path) -> Path:
     return path
 
 
-def write_json(path: Path, results: list[ModeResult], summary: dict, meta: dict) -> Path:
+def write_json(path: Path, results: list[ModeResult], summary: dict, meta: dict,
+               shares: dict | None = None) -> Path:
+    """``bench.json``: meta, per-mode summary, every run, and ``by_share`` (``time_to_share_of_sync_gain``)."""
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"meta": meta, "summary": summary, "runs": [asdict(r) for r in results]}, indent=2))
+    data = {"meta": meta, "summary": summary, "runs": [asdict(r) for r in results]}
+    if shares is not None:
+        data["time_to_share_of_sync_gain"] = shares
+    tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
     return path

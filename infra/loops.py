@@ -36,7 +36,9 @@ Selection rule per mode (``SelectorLoop.batch_ready``):
   the trainer waits for them otherwise.
 * ``reflow``: a full batch in which replayed groups fill what fresh data
   lacks, up to ``replay_ratio`` of the samples; so the trainer waits only
-  while fresh data is below ``1 - replay_ratio`` of a batch.
+  while fresh data is below ``1 - replay_ratio`` of a batch. The first batch
+  of a run, with nothing yet to replay, is that minimum share of unused
+  groups alone.
 
 The selector itself lives in ``infra.selector``. The loops are plain Python
 against two small backends and a ``Clock``; the Prefect flow provides

@@ -108,9 +108,17 @@ class SelectorLoop:
         self.selected_ahead = 0  # batches chosen while the step before was computing
         self._short: tuple[int, int] | None = None  # (groups written, version) of the last query that came short
 
-    def batch_ready(self, selection: Any) -> bool:
-        """A full batch of whole groups (the replay share is already capped by the query)."""
-        return len(set(selection.group_ids)) >= self.groups_per_step
+    def batch_ready(self, selection: Any, trainer_version: int) -> bool:
+        """A full batch of whole groups (the replay share is already capped by the query).
+
+        The first batch of a run (``trainer_version`` 0: nothing was trained
+        on, so nothing can be replayed) is ready with ``min_unused_groups``,
+        the least any later batch holds of unused groups: the trainer starts
+        as soon as they are written instead of waiting for a full batch of
+        them. With ``replay_ratio`` 0 (async) the minimum is a full batch.
+        """
+        groups = len(set(selection.group_ids))
+        return groups >= self.groups_per_step or (trainer_version == 0 and groups >= self.min_unused_groups)
 
     def try_step(self, step: int) -> StepOutcome | None:
         """Train step ``step`` if a full batch is admissible now; None otherwise (plain form)."""
@@ -150,7 +158,7 @@ class SelectorLoop:
         started = self.clock.now()
         selection = self.backend.select(step, inputs[1])
         self.select_s = self.clock.now() - started
-        if not self.batch_ready(selection):
+        if not self.batch_ready(selection, inputs[1]):
             self._short = inputs
             return None
         self.selected_ahead += self.training is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,15 @@ def test_summaries_targets_and_speedups(tmp_path: Path) -> None:
     assert summary["reflow"]["replay_share"]["mean"] == pytest.approx(0.4)
     text = bench.table(summary)
     assert "reflow" in text and "3.33x" in text
-    path = bench.write_json(tmp_path / "bench.json", results, summary, {"seeds": [0]})
+    shares = bench.by_share(results, (0.5, 0.9))
+    # sync gained 0.4: targets 0.4 (sync at 30 + 30 * 0.1 / 0.3 = 40 s, reflow at 15 * 0.2 / 0.3 = 10 s) and 0.56
+    assert shares["0.5"]["sync"][0] == pytest.approx(40.0) and shares["0.5"]["reflow"][0] == pytest.approx(10.0)
+    assert shares["0.9"]["sync"][0] == pytest.approx(56.0) and shares["0.9"]["reflow"][0] == pytest.approx(24.0)
+    assert "s0 10.0 (4.00x)" in bench.share_table(shares) and "s0 24.0 (2.33x)" in bench.share_table(shares)
+    assert bench.by_share([r for r in results if r.mode != "sync"]) == {"0.5": {}, "0.75": {}, "0.9": {}}
+    path = bench.write_json(tmp_path / "bench.json", results, summary, {"seeds": [0]}, shares)
     assert path.read_text().count('"mode"') == 3
+    assert json.loads(path.read_text())["time_to_share_of_sync_gain"]["0.9"]["reflow"]["0"] == pytest.approx(24.0)
 
 
 def test_a_mode_that_never_reaches_the_target(tmp_path: Path) -> None:

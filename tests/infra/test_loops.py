@@ -230,7 +230,10 @@ def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed:
             assert (kind == "replay") == (uses[tid] > 0)
             members[gid].append(tid)
         assert all(len(m) == samples for m in members.values()), "a GRPO group was split"
-        assert len(members) == groups
+        if s == 0:  # the first batch: nothing to replay yet, so the minimum of unused groups is enough
+            assert fresh_per_step <= len(members) <= groups and sel.replay_share == 0
+        else:
+            assert len(members) == groups
         assert sel.replay_share <= policy.replay_ratio + 1e-9
         assert recorded_batch(store, RUN, s) == dict(zip(sel.trajectory_ids, sel.loss_weights))
         uses.update(sel.trajectory_ids)
@@ -238,6 +241,39 @@ def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed:
         assert any(trainer.batches[s].replay_share > 0 for s in range(step)), "replay never filled a batch"
     assert not {f"{RUN}/g{g}" for g in engine.abandoned} & {r.group_id for r in engine.written}
     assert state.groups_abandoned == len(engine.abandoned)
+
+
+def test_first_batch_starts_with_the_minimum_of_unused_groups_and_later_ones_wait_for_a_full_batch(
+        tmp_path: Path) -> None:
+    """Step 0 has nothing to replay: it trains on ``min_unused_groups``; step 1 needs a full batch."""
+    samples, groups = 2, 4
+    store = DeltaTrajectoryStore(str(tmp_path / "tables"))
+    engine = FakeFeeder(random.Random(0), samples, store)
+    trainer = FakeSelector(store, engine, ReplayPolicy(max_staleness_versions=2, replay_ratio=0.5, max_reuse=2),
+                           groups, samples)
+    state = LoopState()
+    selector = SelectorLoop(trainer, state, groups, VirtualClock(), min_unused_groups=2)
+
+    def write(first: int, count: int, version: int) -> None:
+        engine.version = version
+        items = {g: [Finished(g, GenResult(f"g{g}/{k}", [5], [-0.1], "stop", [version], version), 1)
+                     for k in range(samples)] for g in range(first, first + count)}
+        engine.write(first, items)
+        with state.cond:
+            state.groups_written += count
+            state.unused.update({g: version for g in items})
+
+    write(0, 1, 0)
+    assert selector.try_step(0) is None, "one unused group is below the minimum"
+    write(1, 1, 0)
+    first = selector.try_step(0)
+    assert first is not None and first.groups == 2 and trainer.batches[0].replay_share == 0
+    write(2, 1, 1)
+    assert selector.try_step(1) is None, "one unused group: below the minimum at every step"
+    write(3, 1, 1)
+    second = trainer.batches[1] if selector.try_step(1) is not None else None
+    assert second is not None and len(set(second.group_ids)) == groups
+    assert second.kinds.count("replay") == 2 * samples
 
 
 def test_feeder_abandons_groups_that_aged_out_in_flight() -> None:
