@@ -8,7 +8,9 @@ trainer to the engines through Ray's object store, never through the driver.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import ray
@@ -78,8 +80,6 @@ class EngineWorker:
 
     def generate(self, requests: Sequence[Any]) -> Any:
         """All ``requests`` to completion, as a ``GenBatch`` (results, engine seconds, slot-time)."""
-        import time
-
         from reflow.policies.engines import GenBatch
         from reflow.policies.rounds import SlotMeter
 
@@ -106,8 +106,6 @@ class EngineWorker:
 
     def drain(self, window_s: float) -> Any:
         """Step the engine for about ``window_s`` seconds; a ``Drain`` of what finished meanwhile."""
-        import time
-
         from reflow.policies.engines import Drain
         from reflow.policies.rounds import SlotMeter
 
@@ -193,6 +191,15 @@ class TrainResult:
     read_seconds: float = 0.0  # reading the batch from Delta and building the samples, before the step
 
 
+@dataclass
+class _Prefetch:
+    """A batch ``TrainerWorker.prefetch`` reads: ``read`` is set (None if it failed) before ``done``."""
+
+    key: tuple  # run id, trajectory ids, loss weights, versions: what the ``train`` call must match
+    done: threading.Event = field(default_factory=threading.Event)
+    read: Any = None  # (rows, samples)
+
+
 class TrainerWorker:
     """Hosts the ``Trainer``; reads its batches from the trajectory store itself.
 
@@ -220,6 +227,9 @@ class TrainerWorker:
         self.trainer = Trainer(model_dir, cfg.train, cfg.run.seed, device=device, dtype=cfg.model.dtype)
         self.max_staleness = cfg.buffer.max_staleness_versions  # no later batch reads below version - this
         self.replayed: dict[int, Any] = {}  # version a step started at -> its result, for steps replayed by recover
+        self._prefetch_lock = threading.Lock()
+        self._prefetched: _Prefetch | None = None  # the last batch ``prefetch`` was asked to read
+        self.prefetch_hits = 0  # steps whose batch ``prefetch`` had read
         if run_dir is not None and run_id is not None and _restarted():
             self.recover(run_dir, run_id)
 
@@ -258,34 +268,71 @@ class TrainerWorker:
         call a dead trainer was running) returns that result instead of
         training twice; any other mismatch is an error.
         """
-        import time
-
-        from reflow.policies.batch import train_samples_from_table
-        from reflow.storage.delta_store import DeltaTrajectoryStore
-        from reflow.storage.recent import RecentTrajectories
-
         if expect_version is not None and expect_version != self.trainer.version:
             if expect_version in self.replayed:
                 return self.replayed[expect_version]
             raise RuntimeError(f"trainer: a step for version {expect_version} reached the trainer at version "
                                f"{self.trainer.version}")
         start = time.perf_counter()
-        if self.store is None:
-            self.store = DeltaTrajectoryStore(self.store_root)  # kept open: later reads see only new commits
-            self.recent = RecentTrajectories(self.store)
+        read = self._take_prefetched((run_id, tuple(trajectory_ids), tuple(loss_weights), versions))
+        if read is None:
+            read = self._read(run_id, trajectory_ids, loss_weights, versions)
+        else:
+            self.prefetch_hits += 1
+        table, samples = read
+        read_s = time.perf_counter() - start
+        metrics = self.trainer.step(samples)
+        return TrainResult(metrics=metrics, batch=batch_stats(table), read_seconds=read_s)
+
+    def prefetch(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float],
+                 versions: tuple[int, int] | None) -> None:
+        """Read the batch of the next ``train`` call while the step before computes.
+
+        Called in the actor's ``read`` concurrency group (``launch_workers``),
+        so it runs beside a ``train`` call. The ``train`` call with the same
+        batch takes the rows and samples read here (waiting for them if the
+        read is still going); any other batch is read by ``train`` itself.
+        A failed read is left to ``train``, which reads again and reports it.
+        """
+        entry = _Prefetch((run_id, tuple(trajectory_ids), tuple(loss_weights), versions))
+        with self._prefetch_lock:
+            self._prefetched = entry
+        try:
+            entry.read = self._read(run_id, trajectory_ids, loss_weights, versions)
+        except Exception:  # noqa: BLE001 - train reads again and raises it there
+            entry.read = None
+        entry.done.set()
+
+    def _take_prefetched(self, key: tuple) -> Any | None:
+        """What ``prefetch`` read for ``key`` (waiting for a read under way); None: not prefetched."""
+        with self._prefetch_lock:
+            entry, self._prefetched = self._prefetched, None
+        if entry is None or entry.key != key:
+            return None
+        entry.done.wait()
+        return entry.read
+
+    def _read(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float],
+              versions: tuple[int, int] | None) -> tuple[Any, list]:
+        """The batch's rows and its ``TrainSample`` list (advantages computed per whole GRPO group)."""
+        from reflow.policies.batch import train_samples_from_table
+        from reflow.storage.delta_store import DeltaTrajectoryStore
+        from reflow.storage.recent import RecentTrajectories
+
+        with self._prefetch_lock:
+            if self.store is None:
+                self.store = DeltaTrajectoryStore(self.store_root)  # kept open: later reads see only new commits
+                self.recent = RecentTrajectories(self.store)
+                self.recent.keep_fresh()  # new files are read as they are committed, from the first read on
         if versions is None:
             table = self.store.read_trajectories(run_id=run_id, ids=trajectory_ids)
         else:
             table = self.recent.read(run_id, trajectory_ids, versions,
                                      keep_from=self.trainer.version - self.max_staleness)
-            self.recent.keep_fresh()  # the next step's files are read while this one computes
         if table.num_rows != len(set(trajectory_ids)):
             raise RuntimeError(f"trainer: {len(set(trajectory_ids))} trajectories selected, "
                                f"{table.num_rows} found in {self.store_root}")
-        samples = train_samples_from_table(table, dict(zip(trajectory_ids, loss_weights)))
-        read_s = time.perf_counter() - start
-        metrics = self.trainer.step(samples)
-        return TrainResult(metrics=metrics, batch=batch_stats(table), read_seconds=read_s)
+        return table, train_samples_from_table(table, dict(zip(trajectory_ids, loss_weights)))
 
     def export_weights(self) -> dict[str, Any]:
         return self.trainer.export_weights()
@@ -372,7 +419,8 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
         num_gpus=res.engine_gpus if i == 0 else 0, runtime_env=env, max_concurrency=1, **restarts).remote(
             cfg.rollout.engine, engine_settings, version, trainer_name, tools, tool_fn, ELASTIC_NICE if i else 0)
         for i, name in enumerate(engine_names)]
-    trainer = ray.remote(TrainerWorker).options(
+    # "read": ``prefetch`` runs beside ``train`` (every other method runs one at a time, in call order)
+    trainer = ray.remote(concurrency_groups={"read": 1})(TrainerWorker).options(
         name=trainer_name, namespace=namespace, num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
         runtime_env=env, **restarts).remote(model_dir, config_to_json(cfg), store_root, res.torch_threads,
                                             run_dir, run_id)

@@ -28,7 +28,8 @@ from reflow.storage.delta_store import TRAJECTORIES, USAGE
 from reflow.storage.sampler import _quote
 from reflow.tasks.context import TaskContext, context, mark_origin, step_clock
 from reflow.tasks.rollout import _records, _requests
-from reflow.tasks.update import PendingUpdate, UpdateSummary, finish_update, push_weights, start_update
+from reflow.tasks.update import PendingUpdate, UpdateSummary, finish_update, prefetch_batch, push_weights, \
+    start_update
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,9 @@ class RaySelector:
     def consumed(self, selection: ReplaySelection) -> tuple[int, ...]:
         return tuple(sorted({_stream_position(g) for g, kind in zip(selection.group_ids, selection.kinds)
                              if kind != "replay"}))
+
+    def prefetch(self, selection: ReplaySelection) -> None:
+        prefetch_batch(self.run_dir, selection)
 
     def start_train(self, step: int, selection: ReplaySelection) -> tuple[ReplaySelection, PendingUpdate]:
         return selection, start_update(self.run_dir, step, selection)

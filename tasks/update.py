@@ -63,6 +63,19 @@ class PendingUpdate:
     started: float
 
 
+def batch_versions(batch: BatchSelection) -> tuple[int, int] | None:
+    """Lowest and highest policy version of ``batch`` (the trainer reads only those partitions)."""
+    return (min(batch.policy_versions), max(batch.policy_versions)) if batch.policy_versions else None
+
+
+def prefetch_batch(run_dir: str, selection: BatchSelection) -> None:
+    """Have the trainer read ``selection`` beside the step it computes (its ``read`` group); returns at once."""
+    ctx = context(run_dir)
+    trainer = actor(ctx.record.trainer, ctx.record.namespace)
+    trainer.prefetch.options(concurrency_group="read").remote(
+        ctx.record.run_id, selection.trajectory_ids, selection.loss_weights, batch_versions(selection))
+
+
 def _start(run_dir: str, step: int, selection: BatchSelection | None, trainer_version: int | None) -> PendingUpdate:
     ctx = context(run_dir)
     start = ctx.clock.now()
@@ -71,7 +84,7 @@ def _start(run_dir: str, step: int, selection: BatchSelection | None, trainer_ve
         trainer_version = ray.get(trainer.version.remote())
     batch = selection if selection is not None else sync_batch(ctx.store, run_id=ctx.record.run_id,
                                                                rollout_step=step)
-    versions = (min(batch.policy_versions), max(batch.policy_versions)) if batch.policy_versions else None
+    versions = batch_versions(batch)
     result = trainer.train.remote(ctx.record.run_id, batch.trajectory_ids, batch.loss_weights, versions,
                                   trainer_version)
     # The usage rows are known before the step: log them while the trainer computes (the trainer waited for

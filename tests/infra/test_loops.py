@@ -129,6 +129,8 @@ class FakeSelector:
         self.rng: random.Random | None = None  # set: a step takes 0 to 3 polls to finish
         self.polls_left = 0
         self.early = 0  # steps started before the one before was recorded
+        self.prefetched: list[ReplaySelection] = []  # batches handed to the trainer while it computed
+        self.handed: ReplaySelection | None = None  # the one handed over and not started yet
 
     def select(self, step: int, trainer_version: int) -> ReplaySelection:
         return select_batch(self.tables, RUN, trainer_version, self.groups, self.policy,
@@ -141,8 +143,16 @@ class FakeSelector:
     def uses_trainer(self, step: int) -> bool:
         return step % 3 == 2  # "checkpoint" steps
 
+    def prefetch(self, selection: ReplaySelection) -> None:
+        assert self.computing is not None, "a batch is handed over early only while the step before computes"
+        assert self.handed is None, "a second batch handed over before the first was trained"
+        self.prefetched.append(selection)
+        self.handed = selection
+
     def start_train(self, step: int, selection: ReplaySelection) -> tuple[int, ReplaySelection]:
         assert self.computing is None, "the trainer runs one step at a time"
+        assert self.handed in (None, selection), "a step started on another batch than the one handed over"
+        self.handed = None
         if step > 0 and self.uses_trainer(step - 1):
             assert self.recorded[-1][0] == step - 1, "a step started before the checkpoint of the one before"
         self.early += step > 0 and self.recorded[-1:] != [(step - 1, self.version)]  # started before recording
@@ -210,7 +220,7 @@ def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed:
     selector.finish()  # the step under way
     assert step >= 6, "the schedule should keep training (no deadlock between the loops)"
     if ahead:  # some batches were chosen while the step before was computing, and trained one version later
-        assert selector.selected_ahead > 0
+        assert selector.selected_ahead > 0 and len(trainer.prefetched) == selector.selected_ahead
         assert trainer.early > 0, "no step started before the push and record of the one before"
     else:
         assert trainer.early == 0

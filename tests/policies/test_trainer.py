@@ -190,3 +190,36 @@ def test_trainer_worker_trains_each_logged_step_once(random_model_dir: Path, tmp
     assert reissued.metrics.loss == pytest.approx(first.metrics.loss)
     for name, value in restarted.export_weights().items():
         assert torch.equal(value, worker.export_weights()[name]), name
+
+
+def test_trainer_worker_trains_on_the_batch_it_prefetched(random_model_dir: Path, tmp_path: Path) -> None:
+    """``prefetch`` reads a batch beside the step under way; ``train`` takes it only for the same batch."""
+    from reflow.infra.config import ReflowConfig
+    from reflow.infra.workers import TrainerWorker
+    from reflow.storage.delta_store import DeltaTrajectoryStore
+    from reflow.storage.schema import Trajectory
+
+    store = DeltaTrajectoryStore(str(tmp_path / "tables"))
+    rows = [Trajectory(trajectory_id=f"r/g{g}/{k}", run_id="r", prompt_id=f"p{g}", group_id=f"r/g{g}",
+                       sample_index=k, env="arith", rollout_step=0, policy_version=0, prompt_tokens=[5, 6],
+                       response_tokens=[7 + k, 8 + g], behaviour_logprobs=[-1.0, -1.0], token_versions=[0, 0],
+                       loss_mask=[1, 1], reward=float(k % 2), correct=bool(k % 2), finish_reason="stop",
+                       response_length=2) for g in range(2) for k in range(4)]
+    store.append_trajectories(rows, app_id="r:trajectories", txn_version=0)
+    ids = [r.trajectory_id for r in rows]
+    config = ReflowConfig().model_dump_json()
+    plain = TrainerWorker(str(random_model_dir), config, str(tmp_path / "tables"), threads=1)
+    early = TrainerWorker(str(random_model_dir), config, str(tmp_path / "tables"), threads=1)
+    batches = [(ids[:4], [1.0] * 4), (ids[4:], [0.5] * 4), (ids, [1.0] * 8)]
+    # the third step's batch is prefetched, then a different one arrives: it is read by train itself
+    prefetch = [batches[0], batches[1], (ids[:4], [1.0] * 4)]
+    for (batch, weights), (pre_ids, pre_weights) in zip(batches, prefetch):
+        early.prefetch("r", pre_ids, pre_weights, (0, 0))
+        got, want = early.train("r", batch, weights, (0, 0)), plain.train("r", batch, weights, (0, 0))
+        assert got.metrics.loss == pytest.approx(want.metrics.loss) and got.batch == want.batch
+    assert early.prefetch_hits == 2 and plain.prefetch_hits == 0
+    for name, value in early.export_weights().items():
+        assert torch.equal(value, plain.export_weights()[name]), name
+    early.prefetch("r", ["r/g9/0"], [1.0], (0, 0))  # a failed read is left to train, which reports it
+    with pytest.raises(RuntimeError, match="1 trajectories selected, 0 found"):
+        early.train("r", ["r/g9/0"], [1.0], (0, 0))
