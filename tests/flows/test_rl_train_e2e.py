@@ -149,7 +149,11 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
             groups: dict[str, int] = {}
             for u in batch:
                 groups[traj[u["trajectory_id"]]["group_id"]] = groups.get(traj[u["trajectory_id"]]["group_id"], 0) + 1
-            assert set(groups.values()) == {4} and len(groups) == 4  # whole groups of 4, 4 prompts per step
+            assert set(groups.values()) == {4}  # whole groups of 4
+            if mode == "reflow" and step == 0:  # nothing to replay yet: the minimum of unused groups is enough
+                assert 2 <= len(groups) <= 4
+            else:
+                assert len(groups) == 4  # 4 prompts per step
             replayed = sum(1 for u in batch if uses.get(u["trajectory_id"], 0) > 0)
             assert replayed <= 0.5 * len(batch) + 1e-9
             if mode == "async":
