@@ -17,6 +17,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from reflow.infra import bench
+from reflow.infra.config import load_config
 
 
 # Bench rows that are a mode plus a rollout scheduling (SortedRL rows run in sync mode).
@@ -28,8 +29,12 @@ ROWS: dict[str, tuple[str, str]] = {
 
 
 @task(name="bench_mode", cache_policy=NO_CACHE)
-def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, out: str) -> str:
-    """Run one mode to completion in a child ``reflow run``; returns its run directory."""
+def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, out: str, equal_data: bool) -> str:
+    """Run one mode to completion in a child ``reflow run``; returns its run directory.
+
+    ``equal_data``: the run ends after ``run.total_steps`` batches' worth of
+    new groups, however many steps that takes (``bench.equal_data``).
+    """
     runs = Path(out) / "runs" / f"{mode}-s{seed}"
     if runs.exists() and any(runs.iterdir()):
         raise RuntimeError(f"{runs} is not empty; choose a new --out")
@@ -37,8 +42,11 @@ def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, o
     if config:
         cmd += ["--config", config]
     kind, scheduling = ROWS[mode]
-    for item in [*overrides, f"mode.kind={json.dumps(kind)}", f"rollout.scheduling={json.dumps(scheduling)}",
-                 f"run.seed={seed}", "eval.deferred=true",
+    rows = [f"mode.kind={json.dumps(kind)}", f"rollout.scheduling={json.dumps(scheduling)}"]
+    if equal_data:
+        cfg = load_config(config, [*overrides, *rows])
+        rows += bench.equal_data(cfg.run.total_steps, cfg.rollout.prompts_per_step, cfg.fresh_groups_per_step())
+    for item in [*overrides, *rows, f"run.seed={seed}", "eval.deferred=true",
                  f"run.name={json.dumps(f'bench-{mode}-s{seed}')}"]:
         cmd += ["--set", item]
     print(f"\n=== bench: mode {mode}, seed {seed} ===", flush=True)
@@ -53,13 +61,13 @@ def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, o
 
 @flow(name="bench", log_prints=False)
 def bench_flow(config: str | None, overrides: list[str], modes: list[str], seeds: list[int], out: str,
-               target: float | None, smooth_evals: int = 3) -> dict:
+               target: float | None, smooth_evals: int = 3, equal_data: bool = True) -> dict:
     """All modes x seeds; writes ``out/bench.json`` and ``out/bench.png``; returns the summary."""
     Path(out).mkdir(parents=True, exist_ok=True)
     results: list[bench.ModeResult] = []
     for seed in seeds:
         for mode in modes:
-            results.append(bench.summarise(mode, seed, bench_mode(config, overrides, mode, seed, out), None,
+            results.append(bench.summarise(mode, seed, bench_mode(config, overrides, mode, seed, out, equal_data), None,
                                            smooth_evals))
     targets: dict[int, float] = {}
     for seed in seeds:
@@ -70,7 +78,8 @@ def bench_flow(config: str | None, overrides: list[str], modes: list[str], seeds
     summary = bench.aggregate(results)
     meta = {"config": config, "overrides": overrides, "modes": modes, "seeds": seeds, "targets": targets,
             "target_rule": "given" if target is not None else "warm-start + 75% of sync's gain (per seed)",
-            "smooth_evals": smooth_evals}
+            "smooth_evals": smooth_evals,
+            "run_length": "equal data (run.total_steps batches of new groups)" if equal_data else "equal steps"}
     shares = bench.by_share(results) if "sync" in modes else None
     bench.write_json(Path(out) / "bench.json", results, summary, meta, shares)
     bench.plot(results, Path(out) / "bench.png")

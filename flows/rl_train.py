@@ -21,7 +21,6 @@ never enters the training clock.
 from __future__ import annotations
 
 import contextvars
-import math
 import threading
 
 from prefect import flow
@@ -35,7 +34,7 @@ from reflow.tasks.lifecycle import (RunOutcome, abort_generation, evaluate_snaps
 from reflow.tasks.metrics import step_metrics
 from reflow.tasks.rollout import evaluate, rollout, score
 from reflow.tasks.sorted import sorted_round
-from reflow.tasks.stream import RayFeeder, RaySelector, stream_position
+from reflow.tasks.stream import RayFeeder, RaySelector, stream_position, trained_groups
 from reflow.tasks.update import checkpoint, sync_weights, update
 
 STREAMING = ("async", "reflow")
@@ -67,27 +66,28 @@ def rl_train(config_json: str, run_dir: str, run_id: str, resume: bool = False) 
         teardown(run_dir, failed)
 
 
-def _due_eval(cfg: ReflowConfig, step: int) -> bool:
-    return bool(cfg.env.eval_prompts) and ((step + 1) % cfg.eval.every_steps == 0 or step == cfg.run.total_steps - 1)
+def _due_eval(cfg: ReflowConfig, step: int, last: int) -> bool:
+    """Whether ``step`` is evaluated (``last``: the run's last step, which always is)."""
+    return bool(cfg.env.eval_prompts) and ((step + 1) % cfg.eval.every_steps == 0 or step == last)
 
 
-def _after_step(cfg: ReflowConfig, run_dir: str, step: int, version: int, snapshots: list | None,
+def _after_step(cfg: ReflowConfig, run_dir: str, step: int, last: int, version: int, snapshots: list | None,
                 weights: object = None) -> None:
     """Snapshot the weights (or ``weights``, a reference to them) for a deferred evaluation (``snapshots``: None
     when evaluation is inline), checkpoint."""
-    if snapshots is not None and _due_eval(cfg, step):
+    if snapshots is not None and _due_eval(cfg, step, last):
         snapshots.append(snapshot(run_dir, step, version, weights))
-    if _due_checkpoint(cfg, step):
+    if _due_checkpoint(cfg, step, last):
         checkpoint(run_dir, step)
 
 
-def _due_checkpoint(cfg: ReflowConfig, step: int) -> bool:
-    return (step + 1) % cfg.run.checkpoint_every_steps == 0 or step == cfg.run.total_steps - 1
+def _due_checkpoint(cfg: ReflowConfig, step: int, last: int) -> bool:
+    return (step + 1) % cfg.run.checkpoint_every_steps == 0 or step == last
 
 
 def _rounds(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
     """``sync`` and ``one_step_off``: one rollout round per step (a SortedRL round when scheduling says so)."""
-    total, overlap = cfg.run.total_steps, cfg.mode.kind == "one_step_off"
+    total, overlap = cfg.planned_steps(), cfg.mode.kind == "one_step_off"
     sorted_rounds = cfg.rollout.scheduling != "plain"
     snapshots: list = []
     handle = None if sorted_rounds or first >= total else rollout(run_dir, first)
@@ -101,25 +101,26 @@ def _rounds(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
             handle = rollout(run_dir, step + 1)
         updated = update(run_dir, step)
         synced = sync_weights(run_dir, updated.version)
-        inline_eval = _due_eval(cfg, step) and not cfg.eval.deferred
+        inline_eval = _due_eval(cfg, step, total - 1) and not cfg.eval.deferred
         evaluated = evaluate(run_dir, step) if inline_eval else None
         record = step_metrics(run_dir, scored, updated, synced, evaluated, baseline)
         if not overlap and not last:  # the engine starts now; logging overlaps it
             # a sorted round is one blocking call on the engine actor: it runs as a task in Prefect's thread pool
             handle = sorted_round.submit(run_dir, step + 1) if sorted_rounds else rollout(run_dir, step + 1)
         track(run_dir, record)
-        _after_step(cfg, run_dir, step, updated.version, snapshots if cfg.eval.deferred else None)
+        _after_step(cfg, run_dir, step, total - 1, updated.version, snapshots if cfg.eval.deferred else None)
     return snapshots
 
 
 def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> list:
-    """``async`` and ``reflow``: the feeder in a thread, the selector here, until ``total_steps`` updates.
+    """``async`` and ``reflow``: the feeder in a thread, the selector here, until ``total_steps`` updates or
+    ``run.max_new_groups`` groups trained on.
 
     A resumed run (``first`` > 0, or anything already written) continues the stream after what is in Delta.
     """
     b, c, groups = cfg.buffer, cfg.concurrency, cfg.rollout.prompts_per_step
     replay = cfg.mode.kind == "reflow"
-    fresh_per_step = max(1, math.ceil((1 - b.replay_ratio) * groups)) if replay else groups
+    fresh_per_step = cfg.fresh_groups_per_step()
     clock = SystemClock()
     state = LoopState()
     engines = 1 + cfg.resources.elastic_engines  # the target is the pool's: each engine's share scales with it
@@ -142,18 +143,23 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> lis
 
     tracks = TrackQueue()
 
+    def last() -> int:  # the run's last step: total_steps - 1, or the one that spent run.max_new_groups
+        return selector.final_step if selector.final_step is not None else cfg.run.total_steps - 1
+
     def on_step(step, selection, updated, record, weights) -> None:
         if baseline is not None:
             record.metrics["eval_accuracy_baseline"] = baseline.accuracy
         tracks.submit(run_dir, record)  # off the trainer's path
-        if _due_checkpoint(cfg, step):
+        if _due_checkpoint(cfg, step, last()):
             tracks.drain()  # a checkpointed step is logged: a resume continues after it
-        _after_step(cfg, run_dir, step, updated.version, snapshots, weights)
+        _after_step(cfg, run_dir, step, last(), updated.version, snapshots, weights)
 
     selector = SelectorLoop(RaySelector(run_dir, state, controller, on_step, replay, backend.tokens_by_engine,
-                                        checkpoints=lambda step: _due_checkpoint(cfg, step)),
+                                        checkpoints=lambda step: _due_checkpoint(cfg, step, last())),
                             state, groups, clock, min_unused_groups=fresh_per_step,
-                            select_ahead=replay and b.select_ahead and b.max_staleness_versions > 0)
+                            select_ahead=replay and b.select_ahead and b.max_staleness_versions > 0,
+                            max_new_groups=cfg.run.max_new_groups,
+                            new_groups=trained_groups(run_dir, first) if cfg.run.max_new_groups else 0)
     # The feeder's tasks run in its thread inside this flow run (the context carries the run).
     thread = threading.Thread(target=contextvars.copy_context().run, args=(feeder.run,), name="feeder", daemon=True)
     thread.start()

@@ -59,6 +59,7 @@ class ModeResult:
     eval_curve: list[tuple[float, float]]  # (seconds, held-out accuracy), raw
     smooth_evals: int = 1  # k: time to target and final accuracy use the trailing mean of k eval points
     final_accuracy_last: float | None = None  # the last evaluation alone (None: same as final_accuracy)
+    new_samples: int = 0  # samples trained on for the first time (the data the run used)
 
 
 def _mean(steps: list[StepRecord], key: str) -> float:
@@ -103,6 +104,7 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None,
     # the bubble is a share of the time a round was open: steps whose batch the rollout cache already held
     # opened no round (nothing generated) and do not enter its mean
     ran = [r for r in steps if r.metrics.get("generated_tokens", 0.0) > 0]
+    new = sum(_new_samples(r) for r in steps)
     return ModeResult(
         mode=mode, seed=seed, run_dir=str(run_dir), steps=len(steps), wall_s=wall, baseline_accuracy=curve[0][1],
         final_accuracy=statistics.fmean(a for _, a in curve[1:][-smooth_evals:] or curve[-1:]),
@@ -113,7 +115,28 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None,
         trainer_idle=_mean(steps, "trainer_idle_fraction"), generator_idle=_mean(steps, "generator_idle_fraction"),
         staleness_mean=_mean(steps, "staleness_mean"), replay_share=_mean(steps, "replay_share"),
         bubble_ratio=_mean(ran, "rollout_bubble_ratio") if any("rollout_bubble_ratio" in r.metrics for r in steps)
-        else None, eval_curve=curve, smooth_evals=smooth_evals)
+        else None, eval_curve=curve, smooth_evals=smooth_evals, new_samples=int(new))
+
+
+def _new_samples(rec: StepRecord) -> float:
+    """Samples a step trained on for the first time: fresh and stale ones (streaming), or all (rounds)."""
+    if "fresh_samples" in rec.metrics:
+        return rec.metrics["fresh_samples"] + rec.metrics.get("stale_samples", 0.0)
+    return rec.metrics.get("samples", 0.0)
+
+
+def equal_data(total_steps: int, groups_per_step: int, fresh_groups_per_step: int) -> list[str]:
+    """``--set`` overrides that end a run after ``total_steps`` batches' worth of new groups.
+
+    Every mode then trains on the same data: sync, one_step_off and async
+    train on a full batch of new groups per step and stop after
+    ``total_steps``; reflow tops its batches up with replayed groups, so it
+    gets as many steps as its fewest new groups per batch could need, and
+    stops when the budget is spent.
+    """
+    budget = total_steps * groups_per_step
+    steps = -(-budget // max(1, fresh_groups_per_step))
+    return [f"run.max_new_groups={budget}", f"run.total_steps={steps}"]
 
 
 def default_target(sync: ModeResult, share: float = 0.75) -> float:
@@ -184,7 +207,7 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
         entry = {key: _spread([getattr(r, key) for r in rs]) for key in
                  ("final_accuracy", "wall_s", "generated_tokens_per_s", "engine_tokens_per_s",
                   "trained_tokens_per_s", "trainer_idle",
-                  "generator_idle", "staleness_mean", "replay_share")}
+                  "generator_idle", "staleness_mean", "replay_share", "steps", "new_samples")}
         bubbles = [r.bubble_ratio for r in rs if r.bubble_ratio is not None]
         entry["bubble_ratio"] = _spread(bubbles) if bubbles else None
         entry["time_to_target_s"] = _spread(reached) if len(reached) == len(rs) else None

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--smooth-evals", type=int, default=3, metavar="K",
                        help="read time to target and final accuracy off the trailing mean of K evaluations "
                             "(default 3; 1: single evaluations)")
+    modes.add_argument("--equal-steps", action="store_true",
+                       help="run every mode for run.total_steps steps (default: for run.total_steps batches' worth "
+                            "of new groups, so that reflow, whose batches are partly replayed, gets the same data)")
     modes.add_argument("--out", metavar="DIR", required=True, help="where bench.json, bench.png and the runs go")
     query = sub.add_parser("query", help="run SQL over a run's Delta tables (trajectories, usage, rollout_cache)")
     query.add_argument("sql", help='SQL (DataFusion dialect), e.g. "SELECT count(*) FROM trajectories"')
@@ -234,7 +237,8 @@ def _launch(cfg: ReflowConfig):
 
     run_id = new_run_id(cfg)
     run_dir = str((Path(cfg.run.out_dir) / run_id).resolve())
-    print(f"reflow run {run_id}: mode={cfg.mode.kind} engine={cfg.rollout.engine} steps={cfg.run.total_steps} "
+    budget = f" (or until {cfg.run.max_new_groups} new groups)" if cfg.run.max_new_groups else ""
+    print(f"reflow run {run_id}: mode={cfg.mode.kind} engine={cfg.rollout.engine} steps={cfg.planned_steps()}{budget} "
           f"prompts/step={cfg.rollout.prompts_per_step} samples/prompt={cfg.rollout.samples_per_prompt}", flush=True)
     _prefect_api()
     from reflow.flows.rl_train import rl_train
@@ -325,7 +329,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from reflow.flows.bench import bench_flow
 
     bench_flow(config=args.config, overrides=list(args.overrides), modes=modes, seeds=seeds, out=str(out.resolve()),
-               target=args.target_accuracy, smooth_evals=args.smooth_evals)
+               target=args.target_accuracy, smooth_evals=args.smooth_evals, equal_data=not args.equal_steps)
     return 0
 
 

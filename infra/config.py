@@ -10,6 +10,7 @@ bad file.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +28,11 @@ class RunConfig(_Section):
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for prompts, sampling and init.")
     out_dir: str = Field("runs", description="Directory that holds run directories.")
     total_steps: int = Field(100, ge=1, le=1_000_000, description="Trainer updates to run.")
+    max_new_groups: int = Field(0, ge=0, le=1_000_000_000, description="End the run once this many prompt groups "
+                                "have been trained on for the first time (0: no such limit; total_steps still "
+                                "ends it). Every batch of sync, one_step_off and async holds prompts_per_step new "
+                                "groups; reflow tops its batches up with replayed groups, so it needs more steps for "
+                                "the same data. `reflow bench` gives every mode the same budget.")
     checkpoint_every_steps: int = Field(20, ge=1, le=1_000_000,
                                         description="Save model + optimizer every N steps (and at the end).")
 
@@ -364,6 +370,22 @@ class ReflowConfig(_Section):
         if self.rollout.prompts_per_step * self.rollout.samples_per_prompt > 1_000_000:
             raise ValueError("rollout.prompts_per_step * rollout.samples_per_prompt must be <= 1,000,000")
         return self
+
+    def fresh_groups_per_step(self) -> int:
+        """The fewest unused (never trained on) groups a batch holds: a full batch, except in reflow, which
+        tops a batch up with replayed groups to at most ``buffer.replay_ratio`` of it."""
+        groups = self.rollout.prompts_per_step
+        if self.mode.kind != "reflow":
+            return groups
+        return max(1, math.ceil((1 - self.buffer.replay_ratio) * groups))
+
+    def planned_steps(self) -> int:
+        """``run.total_steps``, or fewer when ``run.max_new_groups`` ends the run sooner in a mode whose every
+        batch is a full batch of new groups (reflow's end is found as it runs)."""
+        total, budget = self.run.total_steps, self.run.max_new_groups
+        if budget == 0 or self.mode.kind == "reflow":
+            return total
+        return min(total, math.ceil(budget / self.rollout.prompts_per_step))
 
 
 class ConfigError(ValueError):

@@ -99,11 +99,17 @@ class SelectorLoop:
     The next step starts before the finished one's weight push and record
     (the backend took its weights as it finished); a checkpoint, which
     reads the trainer's state, is saved before it.
+
+    ``max_new_groups`` (``run.max_new_groups``; 0: none) ends the run
+    early: the step whose batch brings the unused groups trained on to it
+    (counting ``new_groups`` trained before this attempt) is the last
+    (``final_step``), and no step starts after it.
     """
 
     def __init__(self, backend: SelectorBackend, state: LoopState, groups_per_step: int, clock: Clock,
                  min_unused_groups: int, poll_s: float = 0.5, select_ahead: bool = False,
-                 lead_s: float = 0.05, busy_poll_s: float = 0.05, recent_steps: int = 4) -> None:
+                 lead_s: float = 0.05, busy_poll_s: float = 0.05, recent_steps: int = 4, max_new_groups: int = 0,
+                 new_groups: int = 0) -> None:
         self.backend, self.state, self.groups_per_step, self.clock = backend, state, groups_per_step, clock
         self.min_unused_groups = min_unused_groups  # a batch needs at least this many unused groups
         self.poll_s, self.select_ahead, self.lead_s, self.busy_poll_s = poll_s, select_ahead, lead_s, busy_poll_s
@@ -114,6 +120,8 @@ class SelectorLoop:
         self.select_s = 0.0  # the last query's time
         self.selected_ahead = 0  # batches chosen while the step before was computing
         self._short: tuple[int, int] | None = None  # (groups written, version) of the last query that came short
+        self.max_new_groups, self.new_groups = max_new_groups, new_groups  # the budget; unused groups trained on
+        self.final_step: int | None = None  # the step that reached max_new_groups
 
     def batch_ready(self, selection: Any, trainer_version: int) -> bool:
         """A full batch of whole groups (the replay share is already capped by the query).
@@ -176,6 +184,9 @@ class SelectorLoop:
     def _start(self, step: int, selection: Any) -> None:
         consumed = self.backend.consumed(selection)
         self.training = _Training(step, self.backend.start_train(step, selection), self.clock.now())
+        self.new_groups += len(consumed)
+        if self.final_step is None and self._budget_spent():
+            self.final_step = step
         with self.state.cond:  # consumed from now on: the feeder may replace them while the step computes
             self.state.groups_consumed += len(consumed)
             for g in consumed:
@@ -217,9 +228,14 @@ class SelectorLoop:
         lead = self.lead_s + self.select_s
         return max(0.0, self.training.started + min(self.train_s) - lead - self.clock.now())
 
+    def _budget_spent(self) -> bool:
+        return 0 < self.max_new_groups <= self.new_groups
+
     def run(self, steps: range) -> None:
-        """Train every step of ``steps``; between failed attempts, wait for the feeder to write more."""
+        """Train every step of ``steps`` (up to the budget); between failed attempts, wait for the feeder."""
         for step in steps:
+            if self._budget_spent():
+                break
             if self.select_ahead and self.training is not None:
                 self._finish(timeout=self._until_select())
             while True:

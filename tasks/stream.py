@@ -102,6 +102,18 @@ def stream_position(run_dir: str) -> StreamPosition:
                           written_groups=len(groups), unused=unused)
 
 
+def trained_groups(run_dir: str, before_step: int) -> int:
+    """Groups the usage log records as trained on by steps before ``before_step`` (``run.max_new_groups``)."""
+    ctx = context(run_dir)
+    if before_step <= 0 or ctx.store.table_versions()[USAGE] < 0:
+        return 0
+    rows = ctx.store.query(
+        f"SELECT COUNT(DISTINCT t.group_id) AS n FROM {USAGE} u JOIN {TRAJECTORIES} t "
+        f"ON u.trajectory_id = t.trajectory_id WHERE u.run_id = {_quote(ctx.record.run_id)} "
+        f"AND u.trainer_step < {int(before_step)}").to_pylist()
+    return int(rows[0]["n"]) if rows else 0
+
+
 def recorded_batch(ctx: TaskContext, step: int) -> ReplaySelection | None:
     """The batch the usage log records for ``step`` (a resumed run replays it exactly), or None."""
     run = _quote(ctx.record.run_id)

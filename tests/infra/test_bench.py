@@ -116,3 +116,15 @@ def test_summarise_with_smoothing_averages_the_last_evaluations(tmp_path: Path) 
     assert r.time_to_target_s == pytest.approx(20 + 20 * (0.1 / 0.15))
     assert bench.with_target(r, 0.45).time_to_target_s == pytest.approx(60.0)
     assert bench.default_target(r) == pytest.approx(0.2 + 0.75 * 0.25)
+
+
+def test_equal_data_gives_reflow_the_steps_its_new_groups_need_and_new_samples_are_counted(tmp_path: Path) -> None:
+    """Every mode gets 30 batches' worth of new groups; reflow (16 new of 32 at least) up to 60 steps."""
+    assert bench.equal_data(30, 32, 32) == ["run.max_new_groups=960", "run.total_steps=30"]
+    assert bench.equal_data(30, 32, 16) == ["run.max_new_groups=960", "run.total_steps=60"]
+    assert bench.equal_data(30, 32, 11) == ["run.max_new_groups=960", "run.total_steps=88"]  # rounded up
+    rounds = bench.summarise("sync", 0, _run(tmp_path, "s", {5: 0.3}, 1.0, {"samples": 64.0}), None)
+    streaming = bench.summarise("reflow", 0, _run(tmp_path, "r", {5: 0.3}, 1.0, {
+        "samples": 64.0, "fresh_samples": 24.0, "stale_samples": 8.0, "replayed_samples": 32.0}), None)
+    assert (rounds.new_samples, streaming.new_samples) == (6 * 64, 6 * 32)
+    assert bench.aggregate([streaming])["reflow"]["new_samples"]["mean"] == 6 * 32

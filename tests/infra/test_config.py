@@ -104,3 +104,16 @@ def test_elastic_engines_need_plain_rounds() -> None:
         load_config(None, ["resources.elastic_engines=1", "rollout.scheduling=sorted_partial"])
     with pytest.raises(ConfigError, match="resources.elastic_engines"):
         load_config(None, ["resources.elastic_engines=-1"])
+
+
+def test_new_groups_budget_bounds_the_steps_of_modes_with_full_batches_of_new_groups() -> None:
+    base = ["run.total_steps=50", "rollout.prompts_per_step=32", "run.max_new_groups=960"]
+    assert load_config(None, base).planned_steps() == 30  # sync: 32 new groups a step
+    assert load_config(None, [*base, 'mode.kind="async"']).planned_steps() == 30
+    assert load_config(None, [*base, "run.max_new_groups=1000"]).planned_steps() == 32  # rounded up
+    assert load_config(None, [*base, "run.max_new_groups=0"]).planned_steps() == 50  # no budget
+    reflow = load_config(None, [*base, 'mode.kind="reflow"', "buffer.replay_ratio=0.5"])
+    assert reflow.planned_steps() == 50 and reflow.fresh_groups_per_step() == 16  # its end is found as it runs
+    assert load_config(None, [*base, 'mode.kind="reflow"', "buffer.replay_ratio=0.9"]).fresh_groups_per_step() == 4
+    with pytest.raises(ConfigError, match="run.max_new_groups"):
+        load_config(None, ["run.max_new_groups=-1"])

@@ -286,6 +286,50 @@ def test_first_batch_starts_with_the_minimum_of_unused_groups_and_later_ones_wai
     assert second.kinds.count("replay") == 2 * samples
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_run_ends_at_the_step_that_spends_the_new_groups_budget(tmp_path: Path, ahead: bool) -> None:
+    """``max_new_groups``: with two new groups written per step, a batch of 4 holds 2 new and 2 replayed
+    groups, so a budget of 6 new groups takes 3 steps (a full batch of new groups each would take 2)."""
+    samples, groups = 2, 4
+    store = DeltaTrajectoryStore(str(tmp_path / "tables"))
+    engine = FakeFeeder(random.Random(0), samples, store)
+    state = LoopState()
+    written = [0]
+
+    def write(count: int) -> None:
+        first, version = written[0], engine.version
+        items = {g: [Finished(g, GenResult(f"g{g}/{k}", [5], [-0.1], "stop", [version], version), 1)
+                     for k in range(samples)] for g in range(first, first + count)}
+        engine.write(first, items)
+        written[0] += count
+        with state.cond:
+            state.groups_written += count
+            state.unused.update({g: version for g in items})
+
+    class Feeding(FakeSelector):  # the feeder writes two groups while each step computes
+        def start_train(self, step, selection):
+            handle = super().start_train(step, selection)
+            write(2)
+            return handle
+
+        def uses_trainer(self, step: int) -> bool:
+            return False
+
+    trainer = Feeding(store, engine, ReplayPolicy(max_staleness_versions=8, replay_ratio=0.5, max_reuse=2),
+                      groups, samples)
+    selector = SelectorLoop(trainer, state, groups, VirtualClock(), min_unused_groups=2, select_ahead=ahead,
+                            max_new_groups=6)
+    write(2)
+    selector.run(range(100))
+    assert sorted(trainer.batches) == [0, 1, 2] and selector.final_step == 2
+    assert [trainer.batches[s].kinds.count("replay") // samples for s in range(3)] == [0, 2, 2]
+    assert selector.new_groups == 6 and trainer.recorded[-1][0] == 2, "the last step is collected and recorded"
+    resumed = SelectorLoop(trainer, state, groups, VirtualClock(), min_unused_groups=2, select_ahead=ahead,
+                           max_new_groups=6, new_groups=6)
+    resumed.run(range(3, 100))  # a resumed run whose budget was spent before the kill trains nothing more
+    assert sorted(trainer.batches) == [0, 1, 2] and resumed.final_step is None
+
+
 def test_feeder_abandons_groups_that_aged_out_in_flight() -> None:
     """A group with a finished sample older than the window is aborted; its late results are dropped."""
     class Scripted(FakeEngine):
