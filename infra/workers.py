@@ -189,6 +189,7 @@ class TrainResult:
     metrics: Any  # policies.trainer.StepMetrics
     batch: BatchStats
     read_seconds: float = 0.0  # reading the batch from Delta and building the samples, before the step
+    prefetched: bool = False  # the batch was read by ``prefetch`` while the step before computed
 
 
 @dataclass
@@ -275,14 +276,14 @@ class TrainerWorker:
                                f"{self.trainer.version}")
         start = time.perf_counter()
         read = self._take_prefetched((run_id, tuple(trajectory_ids), tuple(loss_weights), versions))
+        prefetched = read is not None
         if read is None:
             read = self._read(run_id, trajectory_ids, loss_weights, versions)
-        else:
-            self.prefetch_hits += 1
+        self.prefetch_hits += prefetched
         table, samples = read
         read_s = time.perf_counter() - start
         metrics = self.trainer.step(samples)
-        return TrainResult(metrics=metrics, batch=batch_stats(table), read_seconds=read_s)
+        return TrainResult(metrics=metrics, batch=batch_stats(table), read_seconds=read_s, prefetched=prefetched)
 
     def prefetch(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float],
                  versions: tuple[int, int] | None) -> None:

@@ -26,10 +26,8 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
-from reflow.storage.delta_store import TRAJECTORIES, DeltaTrajectoryStore
+from reflow.storage.delta_store import _READ_ORDER, TRAJECTORIES, DeltaTrajectoryStore
 from reflow.storage.schema import TRAJECTORY_SCHEMA
-
-_READ_ORDER = [("rollout_step", "ascending"), ("trajectory_id", "ascending")]
 
 
 class RecentTrajectories:

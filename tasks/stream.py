@@ -370,6 +370,7 @@ class RaySelector:
             "engine_tokens_per_s": tokens_d / max(busy_d, 1e-9),
             "trained_tokens_per_s": updated.trained_tokens / max(updated.trainer_seconds, 1e-9),
             "step_seconds": step_s, "update_seconds": updated.seconds, "trainer_read_seconds": updated.read_seconds,
+            "trainer_batch_prefetched": float(updated.prefetched),
             "generator_idle_fraction": min(1.0, max(0.0, 1.0 - busy_d / step_s)),
             "trainer_idle_fraction": min(1.0, max(0.0, 1.0 - updated.trainer_seconds / step_s)),
             "staleness_mean": float(staleness.mean()) if staleness.size else 0.0,

@@ -43,6 +43,7 @@ class UpdateSummary:
     staleness_max: int
     seconds: float
     batch: BatchStats  # rewards and lengths of the rows trained on
+    prefetched: bool = False  # the trainer had read the batch while the step before computed (reflow)
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ def finish_update(run_dir: str, pending: PendingUpdate, timeout: float | None = 
                          usage_delta_version=pending.usage_delta_version,
                          staleness_mean=sum(staleness) / max(len(staleness), 1),
                          staleness_max=max(staleness, default=0),
-                         seconds=ctx.clock.now() - pending.started, batch=result.batch)
+                         seconds=ctx.clock.now() - pending.started, batch=result.batch,
+                         prefetched=result.prefetched)
 
 
 @task(name="update", cache_policy=NO_CACHE)

@@ -213,10 +213,13 @@ def test_trainer_worker_trains_on_the_batch_it_prefetched(random_model_dir: Path
     batches = [(ids[:4], [1.0] * 4), (ids[4:], [0.5] * 4), (ids, [1.0] * 8)]
     # the third step's batch is prefetched, then a different one arrives: it is read by train itself
     prefetch = [batches[0], batches[1], (ids[:4], [1.0] * 4)]
+    hits = []
     for (batch, weights), (pre_ids, pre_weights) in zip(batches, prefetch):
         early.prefetch("r", pre_ids, pre_weights, (0, 0))
         got, want = early.train("r", batch, weights, (0, 0)), plain.train("r", batch, weights, (0, 0))
         assert got.metrics.loss == pytest.approx(want.metrics.loss) and got.batch == want.batch
+        hits.append((got.prefetched, want.prefetched))
+    assert hits == [(True, False), (True, False), (False, False)]  # logged as trainer_batch_prefetched
     assert early.prefetch_hits == 2 and plain.prefetch_hits == 0
     for name, value in early.export_weights().items():
         assert torch.equal(value, plain.export_weights()[name]), name
