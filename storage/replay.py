@@ -302,3 +302,17 @@ def recorded_batch(store: SqlTables, run_id: str, trainer_step: int) -> dict[str
     """``{trajectory_id: loss_weight}`` of the batch trained at ``trainer_step``, rebuilt from ``usage``."""
     cols = store.query(recorded_batch_sql(run_id, trainer_step)).to_pydict()
     return dict(zip(cols["trajectory_id"], (float(w) for w in cols["loss_weight"])))
+
+
+def trained_groups(store: SqlTables, run_id: str, before_step: int) -> int:
+    """Distinct groups that ``usage`` records as trained on by steps before ``before_step`` (0 without a log).
+
+    A resumed run counts its spent ``run.max_new_groups`` budget with it.
+    """
+    if before_step <= 0 or store.table_versions().get("usage", -1) < 0:
+        return 0
+    rows = store.query(
+        "SELECT COUNT(DISTINCT t.group_id) AS n FROM usage u JOIN trajectories t "
+        f"ON u.trajectory_id = t.trajectory_id WHERE u.run_id = {_quote(run_id)} "
+        f"AND u.trainer_step < {int(before_step)}").to_pylist()
+    return int(rows[0]["n"]) if rows else 0

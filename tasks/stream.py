@@ -23,6 +23,7 @@ from reflow.infra.selector import StepOutcome
 from reflow.infra.run import StepRecord
 from reflow.infra.workers import actor
 from reflow.policies.offpolicy import replay_weight
+from reflow.storage import replay
 from reflow.storage.replay import CachedTables, ReplayPolicy, ReplaySelection, select_batch
 from reflow.storage.delta_store import TRAJECTORIES, USAGE
 from reflow.storage.sampler import _quote
@@ -105,13 +106,7 @@ def stream_position(run_dir: str) -> StreamPosition:
 def trained_groups(run_dir: str, before_step: int) -> int:
     """Groups the usage log records as trained on by steps before ``before_step`` (``run.max_new_groups``)."""
     ctx = context(run_dir)
-    if before_step <= 0 or ctx.store.table_versions()[USAGE] < 0:
-        return 0
-    rows = ctx.store.query(
-        f"SELECT COUNT(DISTINCT t.group_id) AS n FROM {USAGE} u JOIN {TRAJECTORIES} t "
-        f"ON u.trajectory_id = t.trajectory_id WHERE u.run_id = {_quote(ctx.record.run_id)} "
-        f"AND u.trainer_step < {int(before_step)}").to_pylist()
-    return int(rows[0]["n"]) if rows else 0
+    return replay.trained_groups(ctx.store, ctx.record.run_id, before_step)
 
 
 def recorded_batch(ctx: TaskContext, step: int) -> ReplaySelection | None:

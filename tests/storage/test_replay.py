@@ -9,7 +9,7 @@ import pytest
 
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.replay import (CachedTables, ReplayPolicy, ReplaySelection, recorded_batch, select_batch,
-                                   select_batch_sql)
+                                   select_batch_sql, trained_groups)
 from reflow.storage.schema import Trajectory, Usage
 
 RUN = "run"
@@ -167,6 +167,19 @@ def test_replay_fills_behind_fresh_up_to_the_ratio(tmp_path: Path) -> None:
     # max_reuse 1 never replays; the bound drops version 0 at trainer version 2 with staleness 1
     assert select_batch(store, RUN, 1, 8, ReplayPolicy(1, 1.0, 1)).trajectory_ids == []
     assert set(select_batch(store, RUN, 2, 8, ReplayPolicy(1, 1.0, 3)).group_ids) == {"e", "f"}
+
+
+def test_trained_groups_counts_distinct_groups_before_a_step(tmp_path: Path) -> None:
+    store = DeltaTrajectoryStore(tmp_path)
+    assert trained_groups(store, RUN, 5) == 0  # no tables yet
+    store.append_trajectories([r for g in "abc" for r in _group(g, 0, 2)], app_id="f", txn_version=0)
+    assert trained_groups(store, RUN, 5) == 0  # no usage log yet
+    # step 0 trains a and b; step 1 replays a and trains c; another run's rows never count
+    store.append_usage([Usage(RUN, f"{g}/{k}", 0, 0, 1.0, 0) for g in "ab" for k in range(2)] +
+                       [Usage(RUN, f"{g}/{k}", 1, 1, 0.5, 0) for g in "ac" for k in range(2)] +
+                       [Usage("other", "c/0", 0, 0, 1.0, 0)], app_id="t", txn_version=0)
+    assert [trained_groups(store, RUN, s) for s in (0, 1, 2, 9)] == [0, 2, 3, 3]
+    assert trained_groups(store, "other", 1) == 1
 
 
 def test_replay_order_by_advantage(tmp_path: Path) -> None:
