@@ -309,10 +309,40 @@ def trained_groups(store: SqlTables, run_id: str, before_step: int) -> int:
 
     A resumed run counts its spent ``run.max_new_groups`` budget with it.
     """
-    if before_step <= 0 or store.table_versions().get("usage", -1) < 0:
+    if before_step <= 0 or store.table_versions().get(USAGE, -1) < 0:
         return 0
     rows = store.query(
-        "SELECT COUNT(DISTINCT t.group_id) AS n FROM usage u JOIN trajectories t "
+        f"SELECT COUNT(DISTINCT t.group_id) AS n FROM {USAGE} u JOIN {TRAJECTORIES} t "
         f"ON u.trajectory_id = t.trajectory_id WHERE u.run_id = {_quote(run_id)} "
         f"AND u.trainer_step < {int(before_step)}").to_pylist()
     return int(rows[0]["n"]) if rows else 0
+
+
+def recorded_selection(store: SqlTables, run_id: str, trainer_step: int) -> ReplaySelection | None:
+    """The whole selection ``usage`` records for ``trainer_step`` (a resumed run trains it again), or None.
+
+    Loss weights and the trainer version are the logged ones; reuse counts
+    are the uses logged by earlier steps, and a row's kind follows from them
+    (``replay`` if used before, else ``fresh`` at the logged trainer version,
+    else ``stale``), as ``select_batch`` labelled it. None without a log.
+    """
+    if store.table_versions().get(USAGE, -1) < 0:
+        return None
+    run = _quote(run_id)
+    rows = store.query(
+        f"WITH prior AS (SELECT trajectory_id, COUNT(*) AS reuse FROM {USAGE} WHERE run_id = {run} "
+        f"AND trainer_step < {int(trainer_step)} GROUP BY trajectory_id) "
+        f"SELECT u.trajectory_id, u.loss_weight, u.trainer_version, t.policy_version, t.group_id, "
+        f"COALESCE(prior.reuse, 0) AS reuse FROM {USAGE} u JOIN {TRAJECTORIES} t "
+        f"ON u.trajectory_id = t.trajectory_id LEFT JOIN prior ON prior.trajectory_id = u.trajectory_id "
+        f"WHERE u.run_id = {run} AND u.trainer_step = {int(trainer_step)} ORDER BY u.trajectory_id").to_pylist()
+    if not rows:
+        return None
+    version = int(rows[0]["trainer_version"])
+    kinds: list[Kind] = ["replay" if r["reuse"] else ("fresh" if r["policy_version"] == version else "stale")
+                         for r in rows]
+    return ReplaySelection(trajectory_ids=[r["trajectory_id"] for r in rows],
+                           loss_weights=[float(r["loss_weight"]) for r in rows],
+                           policy_versions=[int(r["policy_version"]) for r in rows],
+                           group_ids=[r["group_id"] for r in rows], reuse_counts=[int(r["reuse"]) for r in rows],
+                           kinds=kinds, trainer_version=version)

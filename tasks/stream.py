@@ -109,27 +109,6 @@ def trained_groups(run_dir: str, before_step: int) -> int:
     return replay.trained_groups(ctx.store, ctx.record.run_id, before_step)
 
 
-def recorded_batch(ctx: TaskContext, step: int) -> ReplaySelection | None:
-    """The batch the usage log records for ``step`` (a resumed run replays it exactly), or None."""
-    run = _quote(ctx.record.run_id)
-    rows = ctx.store.query(
-        f"WITH prior AS (SELECT trajectory_id, COUNT(*) AS reuse FROM {USAGE} WHERE run_id = {run} "
-        f"AND trainer_step < {step} GROUP BY trajectory_id) "
-        f"SELECT u.trajectory_id, u.loss_weight, u.trainer_version, t.policy_version, t.group_id, "
-        f"COALESCE(prior.reuse, 0) AS reuse FROM {USAGE} u JOIN {TRAJECTORIES} t "
-        f"ON u.trajectory_id = t.trajectory_id LEFT JOIN prior ON prior.trajectory_id = u.trajectory_id "
-        f"WHERE u.run_id = {run} AND u.trainer_step = {step} ORDER BY u.trajectory_id").to_pylist()
-    if not rows:
-        return None
-    version = rows[0]["trainer_version"]
-    return ReplaySelection(trajectory_ids=[r["trajectory_id"] for r in rows],
-                           loss_weights=[r["loss_weight"] for r in rows],
-                           policy_versions=[r["policy_version"] for r in rows],
-                           group_ids=[r["group_id"] for r in rows], reuse_counts=[r["reuse"] for r in rows],
-                           kinds=["replay" if r["reuse"] else ("fresh" if r["policy_version"] == version else "stale")
-                                  for r in rows], trainer_version=version)
-
-
 class PendingRequests:
     """The requests submitted to an engine actor and not finished yet, re-issued if the actor restarts.
 
@@ -291,7 +270,7 @@ class RaySelector:
         started = self.ctx.clock.now()
         try:
             if self.recorded_until is not None and step <= self.recorded_until:
-                recorded = recorded_batch(self.ctx, step)
+                recorded = replay.recorded_selection(self.ctx.store, self.ctx.record.run_id, step)
                 if recorded is not None:
                     return recorded
             return select_batch(self.tables, self.ctx.record.run_id, trainer_version,

@@ -9,7 +9,7 @@ import pytest
 
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.replay import (CachedTables, ReplayPolicy, ReplaySelection, recorded_batch, select_batch,
-                                   select_batch_sql, trained_groups)
+                                   recorded_selection, select_batch_sql, trained_groups)
 from reflow.storage.schema import Trajectory, Usage
 
 RUN = "run"
@@ -180,6 +180,31 @@ def test_trained_groups_counts_distinct_groups_before_a_step(tmp_path: Path) -> 
                        [Usage("other", "c/0", 0, 0, 1.0, 0)], app_id="t", txn_version=0)
     assert [trained_groups(store, RUN, s) for s in (0, 1, 2, 9)] == [0, 2, 3, 3]
     assert trained_groups(store, "other", 1) == 1
+
+
+def test_recorded_selection_rebuilds_what_select_batch_returned(tmp_path: Path) -> None:
+    store = DeltaTrajectoryStore(tmp_path)
+    store.append_trajectories([r for g in "ab" for r in _group(g, 0, 2)], app_id="f", txn_version=0)
+    assert recorded_selection(store, RUN, 0) is None  # no usage log
+    policy = ReplayPolicy(2, 0.5, 2, "newest")
+    logged: dict[int, ReplaySelection] = {}
+    for step, tv in enumerate((0, 1)):
+        if step == 1:  # c is fresh at version 1, d stale (version 0, never used), a and b replayed
+            store.append_trajectories(_group("c", 1, 2) + _group("d", 0, 2), app_id="f", txn_version=1)
+        sel = select_batch(store, RUN, tv, 4, policy, _weight)
+        store.append_usage([Usage(RUN, t, step, tv, w, tv - v) for t, w, v in
+                            zip(sel.trajectory_ids, sel.loss_weights, sel.policy_versions)],
+                           app_id="t", txn_version=step)
+        logged[step] = sel
+    assert set(logged[1].kinds) == {"fresh", "stale", "replay"}
+    for step, sel in logged.items():
+        rebuilt = recorded_selection(store, RUN, step)
+        assert rebuilt is not None
+        order = sorted(range(len(sel.trajectory_ids)), key=lambda i: sel.trajectory_ids[i])
+        for field_name in ("trajectory_ids", "loss_weights", "policy_versions", "group_ids", "reuse_counts", "kinds"):
+            assert getattr(rebuilt, field_name) == [getattr(sel, field_name)[i] for i in order], field_name
+        assert rebuilt.trainer_version == sel.trainer_version
+    assert recorded_selection(store, RUN, 2) is None and recorded_selection(store, "other", 0) is None
 
 
 def test_replay_order_by_advantage(tmp_path: Path) -> None:
