@@ -60,6 +60,7 @@ class ModeResult:
     smooth_evals: int = 1  # k: time to target and final accuracy use the trailing mean of k eval points
     final_accuracy_last: float | None = None  # the last evaluation alone (None: same as final_accuracy)
     new_samples: int = 0  # samples trained on for the first time (the data the run used)
+    trainer_idle_wall: float = 0.0  # share of the summed step time the trainer was not computing
 
 
 def _mean(steps: list[StepRecord], key: str) -> float:
@@ -115,7 +116,23 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None,
         trainer_idle=_mean(steps, "trainer_idle_fraction"), generator_idle=_mean(steps, "generator_idle_fraction"),
         staleness_mean=_mean(steps, "staleness_mean"), replay_share=_mean(steps, "replay_share"),
         bubble_ratio=_mean(ran, "rollout_bubble_ratio") if any("rollout_bubble_ratio" in r.metrics for r in steps)
-        else None, eval_curve=curve, smooth_evals=smooth_evals, new_samples=int(new))
+        else None, eval_curve=curve, smooth_evals=smooth_evals, new_samples=int(new),
+        trainer_idle_wall=trainer_idle_wall(steps))
+
+
+def trainer_idle_wall(steps: list[StepRecord]) -> float:
+    """Share of the run's step time the trainer was not computing: ``1 - sum(busy_i) / sum(step_s_i)``.
+
+    ``busy_i = (1 - trainer_idle_fraction_i) * step_seconds_i``. The plain
+    mean of ``trainer_idle_fraction`` over steps (``trainer_idle``) gives a
+    short step as much say as a long one; this one weighs each step by its
+    length, so it is the share of the wall clock. Steps without both
+    metrics are left out (0.0 when none has them).
+    """
+    timed = [(r.metrics["trainer_idle_fraction"], r.metrics["step_seconds"]) for r in steps
+             if "trainer_idle_fraction" in r.metrics and "step_seconds" in r.metrics]
+    total = sum(s for _, s in timed)
+    return 1.0 - sum((1.0 - idle) * s for idle, s in timed) / total if total > 0 else 0.0
 
 
 def _new_samples(rec: StepRecord) -> float:
@@ -206,7 +223,7 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
         reached = [r.time_to_target_s for r in rs if r.time_to_target_s is not None]
         entry = {key: _spread([getattr(r, key) for r in rs]) for key in
                  ("final_accuracy", "wall_s", "generated_tokens_per_s", "engine_tokens_per_s",
-                  "trained_tokens_per_s", "trainer_idle",
+                  "trained_tokens_per_s", "trainer_idle", "trainer_idle_wall",
                   "generator_idle", "staleness_mean", "replay_share", "steps", "new_samples")}
         bubbles = [r.bubble_ratio for r in rs if r.bubble_ratio is not None]
         entry["bubble_ratio"] = _spread(bubbles) if bubbles else None
@@ -230,7 +247,7 @@ def table(summary: dict[str, dict]) -> str:
     """The per-mode table printed at the end of ``reflow bench``."""
     head = (f"{'mode':<17}{'to target s':>12}{'vs sync':>8}{'final acc':>10}{'gen tok/s':>10}{'engine tok/s':>13}"
             f"{'train tok/s':>12}"
-            f"{'trainer idle':>13}{'gen idle':>9}{'stale':>6}{'replay':>7}{'bubble':>7}")
+            f"{'trainer idle':>13}{'(wall)':>7}{'gen idle':>9}{'stale':>6}{'replay':>7}{'bubble':>7}")
     rows = [head, "-" * len(head)]
     for mode, e in summary.items():
         t = e["time_to_target_s"]
@@ -239,7 +256,8 @@ def table(summary: dict[str, dict]) -> str:
         rows.append(f"{mode:<17}{ttt:>12}{vs:>8}{e['final_accuracy']['mean']:>10.3f}"
                     f"{e['generated_tokens_per_s']['mean']:>10.0f}{e['engine_tokens_per_s']['mean']:>13.0f}"
                     f"{e['trained_tokens_per_s']['mean']:>12.0f}"
-                    f"{e['trainer_idle']['mean']:>12.0%} {e['generator_idle']['mean']:>8.0%}"
+                    f"{e['trainer_idle']['mean']:>12.0%} {e['trainer_idle_wall']['mean']:>6.0%}"
+                    f" {e['generator_idle']['mean']:>8.0%}"
                     f"{e['staleness_mean']['mean']:>6.2f}{e['replay_share']['mean']:>7.0%}"
                     + (f"{e['bubble_ratio']['mean']:>7.0%}" if e["bubble_ratio"] else f"{'-':>7}"))
     return "\n".join(rows)

@@ -65,6 +65,20 @@ def test_summaries_targets_and_speedups(tmp_path: Path) -> None:
     assert json.loads(path.read_text())["time_to_share_of_sync_gain"]["0.9"]["reflow"]["0"] == pytest.approx(24.0)
 
 
+def test_trainer_idle_over_the_wall_clock_weighs_steps_by_their_length(tmp_path: Path) -> None:
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    # a 1 s step idle 50% and a 3 s step idle 10%: busy 0.5 + 2.7 of 4 s, so 20% idle (the plain mean says 30%)
+    for step, (idle, secs) in enumerate([(0.5, 1.0), (0.1, 3.0)]):
+        m = {"eval_accuracy_baseline": 0.2, "eval_accuracy": 0.3, "trainer_idle_fraction": idle, "step_seconds": secs}
+        append_step(run_dir, StepRecord(step=step, policy_version=step + 1, elapsed_s=float(step + 1), metrics=m))
+    r = bench.summarise("reflow", 0, run_dir, None)
+    assert r.trainer_idle == pytest.approx(0.3) and r.trainer_idle_wall == pytest.approx(0.2)
+    assert bench.aggregate([r])["reflow"]["trainer_idle_wall"]["mean"] == pytest.approx(0.2)
+    assert "20%" in bench.table(bench.aggregate([r]))
+    assert bench.trainer_idle_wall([StepRecord(step=0, policy_version=1, elapsed_s=1.0, metrics={})]) == 0.0
+
+
 def test_a_mode_that_never_reaches_the_target(tmp_path: Path) -> None:
     slow = bench.summarise("sync", 0, _run(tmp_path, "s", {5: 0.25}, 10.0, {}), 0.5)
     assert slow.time_to_target_s is None
