@@ -231,6 +231,11 @@ class TrainerWorker:
         self._prefetch_lock = threading.Lock()
         self._prefetched: _Prefetch | None = None  # the last batch ``prefetch`` was asked to read
         self.prefetch_hits = 0  # steps whose batch ``prefetch`` had read
+        self.warm_up_seconds = 0.0
+        # Before ``launch_workers`` returns, so before the run's clock starts; lengths up to the longest response
+        # plus an arith prompt (a longer prompt's shapes are set up at its first step).
+        if cfg.train.warm_up:
+            self.warm_up_seconds = self.trainer.warm_up(cfg.rollout.max_response_tokens + 64)
         if run_dir is not None and run_id is not None and _restarted():
             self.recover(run_dir, run_id)
 
