@@ -129,14 +129,14 @@ class Trainer:
     def warm_up(self, max_sequence_tokens: int) -> float:
         """Forward and backward passes on dummy batches; returns the seconds it took.
 
-        The first real steps otherwise pay torch's one-time set-up (kernel
-        and allocator caches per tensor shape; on the CPU the first steps
-        of a run were 2 to 3x slower per token than later ones), which is
-        start-up, not training. One micro-batch per padded length 16, 32,
-        ... up to ``max_sequence_tokens`` (prompt + response), each as many
-        rows as ``micro_batch_tokens`` allows (at most 256), through the
-        same loss as ``step``. Gradients are dropped: the weights, the
-        optimiser state, the version and torch's RNG are as before.
+        The first real steps otherwise pay torch's one-time set-up, which is
+        start-up, not training: on the CPU the first step of a run took 5 to
+        6 s where the next took 0.4 s. Most of it is paid once per thread,
+        so call this from the thread that will call ``step``. One small
+        micro-batch (at most 8 rows) per padded length 16, 32, ... up to
+        ``max_sequence_tokens`` (prompt + response), through the same loss
+        as ``step``. Gradients are dropped: the weights, the optimiser
+        state, the version and torch's RNG are as before.
         """
         start = time.perf_counter()
         rng = torch.get_rng_state()
@@ -144,7 +144,7 @@ class Trainer:
         length = 16
         while True:
             length = min(length, max(2, max_sequence_tokens))
-            rows = max(1, min(256, self.cfg.micro_batch_tokens // length))
+            rows = max(1, min(8, self.cfg.micro_batch_tokens // length))
             half = length // 2
             token = 1 if self.pad_id == 0 else 0
             dummy = TrainSample([token] * (length - half), [token] * half, [-1.0] * half,
