@@ -205,10 +205,6 @@ class TrainConfig(_Section):
         True, description="Skip forward and backward of samples whose gradient is exactly zero: advantage 0 "
         "(a GRPO group whose rewards are all equal) or loss weight 0, when kl_coef is 0. Their tokens still "
         "count in the loss normaliser, so the update is the same; only the time differs.")
-    warm_up: bool = Field(
-        True, description="Before the run's clock starts, run the trainer's forward and backward passes once "
-        "per micro-batch shape class on dummy data (weights, optimiser and RNG untouched): the first real steps "
-        "otherwise pay torch's one-time set-up (2-3x slower on the CPU).")
     is_cap_mode: Literal["truncate", "mask"] = Field(
         "truncate", description="decoupled: above the cap, truncate the weight (verl's TIS) or drop the token "
         "(mask, AReaL's code).")

@@ -231,24 +231,8 @@ class TrainerWorker:
         self._prefetch_lock = threading.Lock()
         self._prefetched: _Prefetch | None = None  # the last batch ``prefetch`` was asked to read
         self.prefetch_hits = 0  # steps whose batch ``prefetch`` had read
-        self.warm_up_seconds = 0.0
-        self._warm_up_tokens = cfg.rollout.max_response_tokens + 64 if cfg.train.warm_up else 0
         if run_dir is not None and run_id is not None and _restarted():
             self.recover(run_dir, run_id)
-
-    def warm_up(self) -> float:
-        """``Trainer.warm_up`` (``train.warm_up``) up to the longest response plus an arith prompt; its seconds.
-
-        A Ray call, not part of ``__init__``: torch's one-time set-up is paid
-        per thread (a first step in a new thread was 5.3 s against 0.4 s for
-        the next one, after a warm-up in another thread, on this CPU), and
-        with concurrency groups Ray runs ``train`` in its default group's
-        thread, not in the one that ran ``__init__``. This runs in that same
-        thread; ``launch_workers`` waits for it, so before the run's clock.
-        """
-        if self._warm_up_tokens:
-            self.warm_up_seconds = self.trainer.warm_up(self._warm_up_tokens)
-        return self.warm_up_seconds
 
     def recover(self, run_dir: str, run_id: str) -> int:
         """Newest checkpoint of ``run_dir``, then every later step of the usage log; returns the version."""
@@ -442,7 +426,7 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
         runtime_env=env, **restarts).remote(model_dir, config_to_json(cfg), store_root, res.torch_threads,
                                             run_dir, run_id)
     _HANDLES[namespace] = [*engines, trainer]
-    ray.get([*(e.version.remote() for e in engines), trainer.warm_up.remote()])  # warm-up: in train's thread
+    ray.get([*(e.version.remote() for e in engines), trainer.version.remote()])
     return Placement(namespace=namespace, engines=engine_names, trainer=trainer_name)
 
 

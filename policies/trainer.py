@@ -126,37 +126,6 @@ class Trainer:
             fully_shard(layer)
         fully_shard(self.model)
 
-    def warm_up(self, max_sequence_tokens: int) -> float:
-        """Forward and backward passes on dummy batches; returns the seconds it took.
-
-        The first real steps otherwise pay torch's one-time set-up, which is
-        start-up, not training: on the CPU the first step of a run took 5 to
-        6 s where the next took 0.4 s. Most of it is paid once per thread,
-        so call this from the thread that will call ``step``. One small
-        micro-batch (at most 8 rows) per padded length 16, 32, ... up to
-        ``max_sequence_tokens`` (prompt + response), through the same loss
-        as ``step``. Gradients are dropped: the weights, the optimiser
-        state, the version and torch's RNG are as before.
-        """
-        start = time.perf_counter()
-        rng = torch.get_rng_state()
-        self.model.train()
-        length = 16
-        while True:
-            length = min(length, max(2, max_sequence_tokens))
-            rows = max(1, min(8, self.cfg.micro_batch_tokens // length))
-            half = length // 2
-            token = 1 if self.pad_id == 0 else 0
-            dummy = TrainSample([token] * (length - half), [token] * half, [-1.0] * half,
-                                [1] * half, advantage=1.0, loss_weight=1.0)
-            self._micro_step([dummy] * rows, float(rows * half))
-            self.optimizer.zero_grad(set_to_none=True)
-            if length >= max_sequence_tokens:
-                break
-            length *= 2
-        torch.set_rng_state(rng)
-        return time.perf_counter() - start
-
     def skippable(self, sample: TrainSample) -> bool:
         """Whether ``sample``'s gradient is exactly zero, so forward and backward can be skipped.
 

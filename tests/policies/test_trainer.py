@@ -141,22 +141,6 @@ def test_tool_output_tokens_leave_the_loss_and_its_normaliser(random_model_dir: 
     assert metrics.ratio_mean == pytest.approx(1.5, rel=1e-4)
 
 
-def test_warm_up_changes_nothing_a_step_depends_on(random_model_dir: Path) -> None:
-    cfg = TrainConfig(micro_batch_tokens=256, learning_rate=1e-3)
-    cold, warm = Trainer(str(random_model_dir), cfg, seed=0), Trainer(str(random_model_dir), cfg, seed=0)
-    rng = torch.get_rng_state()
-    assert warm.warm_up(40) > 0
-    assert torch.equal(torch.get_rng_state(), rng) and warm.version == 0 and not warm.optimizer.state
-    assert all(p.grad is None for p in warm.model.parameters())
-    for a, b in zip(cold.model.parameters(), warm.model.parameters()):
-        assert torch.equal(a, b)
-    samples = _samples(10, seed=3)
-    m_cold, m_warm = cold.step(samples), warm.step(samples)
-    assert m_cold.loss == m_warm.loss and m_cold.grad_norm == m_warm.grad_norm
-    for a, b in zip(cold.model.parameters(), warm.model.parameters()):
-        assert torch.equal(a, b)
-
-
 def test_checkpoint_round_trip(random_model_dir: Path, tmp_path: Path) -> None:
     trainer = Trainer(str(random_model_dir), TrainConfig(learning_rate=1e-2), seed=0)
     trainer.step(_samples(4))
