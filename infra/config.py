@@ -179,6 +179,14 @@ class RolloutConfig(_Section):
         "sampling, so the off-policy correction stays exact).")
     enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts in seconds; for tiny "
                                                      "models on CPU eager decoding was as fast as compiled).")
+    warm_up: bool = Field(
+        True, description="vLLM: each engine generates once on dummy prompts as it starts, before the run's "
+        "clock (the first rollout was a third as fast as the next ones on the CPU).")
+    cpu_linear: Literal["torch", "onednn"] = Field(
+        "torch", description="vLLM on the CPU: the matmul behind every linear layer. 'torch' is torch's own "
+        "(MKL); 'onednn' is vLLM's default, a oneDNN kernel built per layer for each new token count and kept in "
+        "a cache of 32 per layer: the token count of a step changes with every batch, so a streaming round "
+        "builds kernels over and over (README \"Memory on this machine\"). No effect on the GPU.")
 
 
 class TrainConfig(_Section):
@@ -205,6 +213,10 @@ class TrainConfig(_Section):
         True, description="Skip forward and backward of samples whose gradient is exactly zero: advantage 0 "
         "(a GRPO group whose rewards are all equal) or loss weight 0, when kl_coef is 0. Their tokens still "
         "count in the loss normaliser, so the update is the same; only the time differs.")
+    warm_up: bool = Field(
+        True, description="Before the run's clock starts, run forward and backward once per padded length "
+        "class at the full micro-batch budget on dummy data (weights, optimiser and RNG untouched), so the "
+        "trainer process holds its peak memory before the first step (README \"Memory on this machine\").")
     is_cap_mode: Literal["truncate", "mask"] = Field(
         "truncate", description="decoupled: above the cap, truncate the weight (verl's TIS) or drop the token "
         "(mask, AReaL's code).")

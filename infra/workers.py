@@ -22,10 +22,19 @@ from reflow.infra.config import ReflowConfig
 ELASTIC_NICE = 19
 
 
-def _quiet_env(threads: int) -> dict[str, str]:
+# glibc malloc in every worker: freed memory stays in the process (one arena, never trimmed; blocks up to
+# 32 MiB, glibc's largest threshold, come from that heap instead of mmap). On a VM that hands freed guest
+# memory back to its host (virtio-balloon free page reporting, as on the CPU machines here) touching it again
+# costs 4 to 10 s per GiB: a trainer step after a two-second pause paid up to twice its compute in page faults.
+RESIDENT_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+                   "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """Environment of the engine and trainer actors: quiet logs, ``threads`` torch threads, ``RESIDENT_MALLOC``."""
     return {"OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING",
             "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1",
-            "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+            "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", **RESIDENT_MALLOC}
 
 
 def _restarted() -> bool:
@@ -74,6 +83,8 @@ class EngineWorker:
             self.engine.update_weights(weights, version)
         else:
             self.engine = make_engine(kind, settings, version)
+        if settings.warm_up and hasattr(self.engine, "warm_up"):  # vLLM only: the transformers engine has none
+            self.engine.warm_up()
         if tools is not None:
             self.engine = _multi_turn(self.engine, settings.model_dir, tools, tool_fn)
         self.max_sequences = settings.max_concurrent_sequences
@@ -231,6 +242,11 @@ class TrainerWorker:
         self._prefetch_lock = threading.Lock()
         self._prefetched: _Prefetch | None = None  # the last batch ``prefetch`` was asked to read
         self.prefetch_hits = 0  # steps whose batch ``prefetch`` had read
+        # Before ``launch_workers`` returns, so off the run's clock; lengths up to the longest response plus an
+        # arith prompt (a longer prompt's shapes take what more memory they need at their first step).
+        self.warm_up_seconds = 0.0
+        if cfg.train.warm_up:
+            self.warm_up_seconds = self.trainer.warm_up(cfg.rollout.max_response_tokens + 64)
         if run_dir is not None and run_id is not None and _restarted():
             self.recover(run_dir, run_id)
 
@@ -411,7 +427,7 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
                              cpus_per_call=t.cpus_per_call, max_concurrent_calls=t.max_concurrent_calls)
 
     res = cfg.resources
-    env = {"env_vars": _quiet_env(res.torch_threads)}
+    env = {"env_vars": worker_env(res.torch_threads)}
     restarts = {"max_restarts": res.max_actor_restarts, "max_task_retries": -1 if res.max_actor_restarts else 0}
     trainer_name = "trainer"
     engine_names = tuple(f"engine-{i}" for i in range(1 + res.elastic_engines))

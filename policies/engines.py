@@ -163,6 +163,8 @@ class EngineSettings:
     enforce_eager: bool = True
     threads: int = 2
     keep_kv_on_update: bool = False  # vLLM: requests in flight keep their KV cache across a weight update
+    cpu_linear: str = "torch"  # vLLM on the CPU: "torch" (MKL) or "onednn" (vLLM's default) for linear layers
+    warm_up: bool = False  # vLLM: generate once on dummy prompts as the engine actor starts (``VLLMEngine.warm_up``)
 
 
 class _Progress:
@@ -190,6 +192,23 @@ class _Progress:
                          self.submitted_version)
 
 
+def _use_torch_linear_on_cpu() -> None:
+    """Make vLLM's CPU backend run linear layers with ``torch.nn.functional.linear`` (its fallback path).
+
+    vLLM 0.32 picks oneDNN when its ``_C`` library has it
+    (``vllm._custom_ops._supports_onednn``, read as each layer's weights load):
+    one handler per layer with a cache of 32 kernels, one per token count. A
+    streaming round changes the token count at almost every step, so the
+    engine kept building kernels (their set-up was a fifth of its page faults,
+    and decoding at 16 to 256 running sequences was 8 to 20% slower than with
+    torch's matmul on this CPU). A vLLM without that attribute is left as it is.
+    """
+    import vllm._custom_ops as ops
+
+    if hasattr(ops, "_supports_onednn"):
+        ops._supports_onednn = False
+
+
 class VLLMEngine:
     """vLLM's ``LLMEngine`` stepped in-process."""
 
@@ -201,6 +220,9 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
+
+        if settings.cpu_linear == "torch":
+            _use_torch_linear_on_cpu()
 
         self.settings = settings
         self.version = version
@@ -294,6 +316,27 @@ class VLLMEngine:
     def tokens_in_flight(self) -> int:
         """Tokens the unfinished requests have generated so far (resumed ones included)."""
         return sum(len(p.tokens) for p in self._pending.values())
+
+    def warm_up(self) -> float:
+        """Generate once on dummy prompts before any real request; returns the seconds it took.
+
+        ``max_concurrent_sequences`` requests with prompts of 8 to 39 tokens
+        and budgets of 8 to 64, so the engine steps through most batch sizes
+        it will meet. Measured on the CPU: a run's first rollout generated at
+        a third of the speed of the next ones (first-time code paths, new
+        memory). The prefix cache is reset after, so no dummy prompt stays
+        cached. Sampling draws from vLLM's generator, so the samples of a run
+        differ from those without a warm-up (a run stays repeatable).
+        """
+        import time
+
+        start = time.perf_counter()
+        vocab = max(4, self._llm.llm_engine.model_config.get_vocab_size())
+        generate_all(self, [GenRequest(f"warm-up-{i}", [3 + (7 * i + j) % (vocab - 3) for j in range(8 + i % 32)],
+                                       max_tokens=8 + 8 * (i % 8))
+                            for i in range(self.settings.max_concurrent_sequences)])
+        self._llm.reset_prefix_cache()
+        return time.perf_counter() - start
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Load ``state`` (Hugging Face names) into the running model, in place.

