@@ -244,9 +244,8 @@ class TrainerWorker:
         self.prefetch_hits = 0  # steps whose batch ``prefetch`` had read
         # Before ``launch_workers`` returns, so off the run's clock; lengths up to the longest response plus an
         # arith prompt (a longer prompt's shapes take what more memory they need at their first step).
-        self.warm_up_seconds = 0.0
         if cfg.train.warm_up:
-            self.warm_up_seconds = self.trainer.warm_up(cfg.rollout.max_response_tokens + 64)
+            self.trainer.warm_up(cfg.rollout.max_response_tokens + 64)
         if run_dir is not None and run_id is not None and _restarted():
             self.recover(run_dir, run_id)
 

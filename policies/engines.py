@@ -21,6 +21,7 @@ can span versions; ``version`` is its oldest token's (what staleness counts).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -195,13 +196,9 @@ class _Progress:
 def _use_torch_linear_on_cpu() -> None:
     """Make vLLM's CPU backend run linear layers with ``torch.nn.functional.linear`` (its fallback path).
 
-    vLLM 0.32 picks oneDNN when its ``_C`` library has it
-    (``vllm._custom_ops._supports_onednn``, read as each layer's weights load):
-    one handler per layer with a cache of 32 kernels, one per token count. A
-    streaming round changes the token count at almost every step, so the
-    engine kept building kernels (their set-up was a fifth of its page faults,
-    and decoding at 16 to 256 running sequences was 8 to 20% slower than with
-    torch's matmul on this CPU). A vLLM without that attribute is left as it is.
+    vLLM 0.32 uses oneDNN when ``vllm._custom_ops._supports_onednn`` is set as
+    the weights load: kernels per token count, 32 kept per layer, so a
+    streaming round keeps building them (README "Memory on this machine").
     """
     import vllm._custom_ops as ops
 
@@ -320,16 +317,11 @@ class VLLMEngine:
     def warm_up(self) -> float:
         """Generate once on dummy prompts before any real request; returns the seconds it took.
 
-        ``max_concurrent_sequences`` requests with prompts of 8 to 39 tokens
-        and budgets of 8 to 64, so the engine steps through most batch sizes
-        it will meet. Measured on the CPU: a run's first rollout generated at
-        a third of the speed of the next ones (first-time code paths, new
-        memory). The prefix cache is reset after, so no dummy prompt stays
-        cached. Sampling draws from vLLM's generator, so the samples of a run
-        differ from those without a warm-up (a run stays repeatable).
+        ``max_concurrent_sequences`` requests (prompts of 8 to 39 tokens,
+        budgets of 8 to 64), so the engine steps through most batch sizes it
+        will meet; then the prefix cache is reset. The warm-up draws from
+        vLLM's generator, so later samples differ from a run without it.
         """
-        import time
-
         start = time.perf_counter()
         vocab = max(4, self._llm.llm_engine.model_config.get_vocab_size())
         generate_all(self, [GenRequest(f"warm-up-{i}", [3 + (7 * i + j) % (vocab - 3) for j in range(8 + i % 32)],
