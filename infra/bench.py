@@ -61,6 +61,7 @@ class ModeResult:
     final_accuracy_last: float | None = None  # the last evaluation alone (None: same as final_accuracy)
     new_samples: int = 0  # samples trained on for the first time (the data the run used)
     trainer_idle_wall: float = 0.0  # share of the summed step time the trainer was not computing
+    cpu_idle: float | None = None  # share of the machine's CPU time idle over the steps (None: not measured)
 
 
 def _mean(steps: list[StepRecord], key: str) -> float:
@@ -117,7 +118,7 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None,
         staleness_mean=_mean(steps, "staleness_mean"), replay_share=_mean(steps, "replay_share"),
         bubble_ratio=_mean(ran, "rollout_bubble_ratio") if any("rollout_bubble_ratio" in r.metrics for r in steps)
         else None, eval_curve=curve, smooth_evals=smooth_evals, new_samples=int(new),
-        trainer_idle_wall=trainer_idle_wall(steps))
+        trainer_idle_wall=trainer_idle_wall(steps), cpu_idle=machine_cpu_idle(steps))
 
 
 def trainer_idle_wall(steps: list[StepRecord]) -> float:
@@ -129,10 +130,26 @@ def trainer_idle_wall(steps: list[StepRecord]) -> float:
     length, so it is the share of the wall clock. Steps without both
     metrics are left out (0.0 when none has them).
     """
-    timed = [(r.metrics["trainer_idle_fraction"], r.metrics["step_seconds"]) for r in steps
-             if "trainer_idle_fraction" in r.metrics and "step_seconds" in r.metrics]
+    share = _wall_weighted(steps, "trainer_idle_fraction")
+    return share if share is not None else 0.0
+
+
+def machine_cpu_idle(steps: list[StepRecord]) -> float | None:
+    """Share of the machine's CPU time idle over the run (``infra.cpu``), steps weighed by length.
+
+    Each step's ``machine_cpu_idle_fraction`` covers the time since the step
+    before, as ``step_seconds`` does. None when no step has it (runs from
+    before it was logged, or no ``/proc/stat``).
+    """
+    return _wall_weighted(steps, "machine_cpu_idle_fraction")
+
+
+def _wall_weighted(steps: list[StepRecord], key: str) -> float | None:
+    """``sum(key_i * step_seconds_i) / sum(step_seconds_i)`` over the steps with both; None: none has them."""
+    timed = [(r.metrics[key], r.metrics["step_seconds"]) for r in steps
+             if key in r.metrics and "step_seconds" in r.metrics]
     total = sum(s for _, s in timed)
-    return 1.0 - sum((1.0 - idle) * s for idle, s in timed) / total if total > 0 else 0.0
+    return sum(share * s for share, s in timed) / total if total > 0 else None
 
 
 def _new_samples(rec: StepRecord) -> float:
@@ -227,6 +244,8 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
                   "generator_idle", "staleness_mean", "replay_share", "steps", "new_samples")}
         bubbles = [r.bubble_ratio for r in rs if r.bubble_ratio is not None]
         entry["bubble_ratio"] = _spread(bubbles) if bubbles else None
+        cpu = [r.cpu_idle for r in rs if r.cpu_idle is not None]
+        entry["cpu_idle"] = _spread(cpu) if cpu else None
         entry["time_to_target_s"] = _spread(reached) if len(reached) == len(rs) else None
         entry["seeds_reaching_target"] = len(reached)
         entry["seeds"] = len(rs)
@@ -247,7 +266,7 @@ def table(summary: dict[str, dict]) -> str:
     """The per-mode table printed at the end of ``reflow bench``."""
     head = (f"{'mode':<17}{'to target s':>12}{'vs sync':>8}{'final acc':>10}{'gen tok/s':>10}{'engine tok/s':>13}"
             f"{'train tok/s':>12}"
-            f"{'trainer idle':>13}{'(wall)':>7}{'gen idle':>9}{'stale':>6}{'replay':>7}{'bubble':>7}")
+            f"{'trainer idle':>13}{'(wall)':>7}{'gen idle':>9}{'cpu idle':>9}{'stale':>6}{'replay':>7}{'bubble':>7}")
     rows = [head, "-" * len(head)]
     for mode, e in summary.items():
         t = e["time_to_target_s"]
@@ -258,7 +277,8 @@ def table(summary: dict[str, dict]) -> str:
                     f"{e['trained_tokens_per_s']['mean']:>12.0f}"
                     f"{e['trainer_idle']['mean']:>12.0%} {e['trainer_idle_wall']['mean']:>6.0%}"
                     f" {e['generator_idle']['mean']:>8.0%}"
-                    f"{e['staleness_mean']['mean']:>6.2f}{e['replay_share']['mean']:>7.0%}"
+                    + (f" {e['cpu_idle']['mean']:>8.0%}" if e.get("cpu_idle") else f"{'-':>9}")
+                    + f"{e['staleness_mean']['mean']:>6.2f}{e['replay_share']['mean']:>7.0%}"
                     + (f"{e['bubble_ratio']['mean']:>7.0%}" if e["bubble_ratio"] else f"{'-':>7}"))
     return "\n".join(rows)
 

@@ -28,7 +28,7 @@ from reflow.infra.runs import RUN_FILE
 # Metrics that measure wall-clock time or depend on it; they differ between any two runs.
 TIMING_SUFFIXES = ("_seconds", "_per_s")
 TIMING_METRICS = frozenset({"generator_idle_fraction", "trainer_idle_fraction", "rollout_bubble_ratio",
-                            "concurrency_target"})
+                            "concurrency_target", "machine_cpu_idle_fraction"})
 
 
 class ReproduceError(ValueError):

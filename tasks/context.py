@@ -10,6 +10,7 @@ from typing import Any
 from reflow.envs.base import Env, make_env
 from reflow.infra.clock import Clock, SystemClock
 from reflow.infra.config import EnvConfig, ReflowConfig
+from reflow.infra.cpu import CpuTimes, idle_fraction, read_cpu_times
 from reflow.infra.run import RunRecord, load_config_of, load_record
 from reflow.storage.delta_store import DeltaTrajectoryStore
 
@@ -27,11 +28,14 @@ class TaskContext:
 # Per-process run clock marks: when the first round was submitted, when the last step was recorded.
 _ORIGIN: dict[str, float] = {}
 _LAST_STEP_END: dict[str, float] = {}
+_LAST_CPU: dict[str, CpuTimes | None] = {}  # the machine's CPU ticks at the origin, then at the last step
 
 
 def mark_origin(run_dir: str, now: float) -> None:
     """Start the run's training clock (first call wins)."""
-    _ORIGIN.setdefault(run_dir, now)
+    if run_dir not in _ORIGIN:
+        _ORIGIN[run_dir] = now
+        _LAST_CPU[run_dir] = read_cpu_times()
 
 
 def step_clock(run_dir: str, now: float) -> tuple[float, float]:
@@ -40,6 +44,18 @@ def step_clock(run_dir: str, now: float) -> tuple[float, float]:
     previous = _LAST_STEP_END.get(run_dir, origin)
     _LAST_STEP_END[run_dir] = now
     return now - origin, now - previous
+
+
+def step_cpu_idle(run_dir: str) -> float | None:
+    """Share of the machine's CPU time idle since the previous step (or the origin); None: unknown.
+
+    ``infra.cpu`` says what counts. None on the first call of a process that
+    never marked the origin, and where ``/proc/stat`` is missing.
+    """
+    now = read_cpu_times()
+    before = _LAST_CPU.get(run_dir)
+    _LAST_CPU[run_dir] = now
+    return idle_fraction(before, now) if before is not None and now is not None else None
 
 
 @functools.lru_cache(maxsize=4)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from reflow.infra.run import StepRecord
-from reflow.tasks.context import context, step_clock
+from reflow.tasks.context import context, step_clock, step_cpu_idle
 from reflow.tasks.rollout import EvalSummary, ScoreSummary
 from reflow.tasks.update import SyncSummary, UpdateSummary
 
@@ -44,6 +44,9 @@ def step_metrics(run_dir: str, scored: ScoreSummary, updated: UpdateSummary, syn
         "trajectories_delta_version": float(scored.delta_version if scored.delta_version is not None else -1),
         "usage_delta_version": float(updated.usage_delta_version if updated.usage_delta_version is not None else -1),
     }
+    cpu_idle = step_cpu_idle(run_dir)
+    if cpu_idle is not None:
+        m["machine_cpu_idle_fraction"] = cpu_idle
     if evaluated is not None:
         m.update({"eval_accuracy": evaluated.accuracy, "eval_reward_mean": evaluated.reward_mean,
                   "eval_response_length_mean": evaluated.length_mean, "eval_seconds": evaluated.seconds})

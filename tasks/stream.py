@@ -27,7 +27,7 @@ from reflow.storage import replay
 from reflow.storage.replay import CachedTables, ReplayPolicy, ReplaySelection, select_batch
 from reflow.storage.delta_store import TRAJECTORIES, USAGE
 from reflow.storage.sampler import _quote
-from reflow.tasks.context import TaskContext, context, mark_origin, step_clock
+from reflow.tasks.context import TaskContext, context, mark_origin, step_clock, step_cpu_idle
 from reflow.tasks.rollout import _records, _requests
 from reflow.tasks.update import PendingUpdate, UpdateSummary, finish_update, prefetch_batch, push_weights, \
     start_update
@@ -361,4 +361,7 @@ class RaySelector:
         }
         for age in range(self.policy.max_staleness_versions + 1):
             m[f"staleness_hist_{age}"] = float(np.sum(staleness == age))
+        cpu_idle = step_cpu_idle(self.run_dir)
+        if cpu_idle is not None:
+            m["machine_cpu_idle_fraction"] = cpu_idle
         return StepRecord(step=step, policy_version=updated.version, elapsed_s=elapsed, metrics=m)

@@ -131,6 +131,7 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
         else:
             assert run["steps"] == 6 and new_groups == 24, run
         assert run["wall_s"] > 0 and run["generated_tokens_per_s"] > 0
+        assert 0.0 <= run["cpu_idle"] < 1.0, run  # the machine's idle share, from /proc/stat
         # warm start + every second step + the last (smoke evaluates every 2 steps)
         assert len(run["eval_curve"]) == 1 + math.ceil(run["steps"] / 2)
         # default --smooth-evals 3: final accuracy is the mean of the last three evaluations
@@ -178,7 +179,8 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
         run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
         for key in ("trainer_idle_fraction", "generator_idle_fraction", "staleness_mean", "staleness_max",
                     "replay_share", "reuse_mean", "fresh_samples", "stale_samples", "replayed_samples",
-                    "concurrency_target", "generated_tokens_per_s", "trained_tokens_per_s"):
+                    "concurrency_target", "generated_tokens_per_s", "trained_tokens_per_s",
+                    "machine_cpu_idle_fraction"):
             assert len(client.get_metric_history(run_id, key)) == n_steps[mode], (mode, key)
         assert len(client.get_metric_history(run_id, "eval_accuracy")) == math.ceil(n_steps[mode] / 2)
 
