@@ -10,6 +10,7 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 from prefect import task
@@ -25,6 +26,9 @@ from reflow.policies.engines import EngineSettings, model_max_len
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.tracker import Tracker, make_tracker
 from reflow.tasks.context import _tokenizer, context, mark_origin
+
+if TYPE_CHECKING:
+    from reflow.tasks.rollout import EvalSummary
 
 # One tracker per run, owned by the process that runs the flow (tasks run in it).
 _TRACKERS: dict[str, Tracker] = {}

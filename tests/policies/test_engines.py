@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from reflow.infra.config import TrainConfig
-from reflow.policies.engines import (EngineSettings, GenBatch, GenRequest, TransformersEngine, generate_all,
-                                     merge_batches)
+from reflow.policies.engines import EngineSettings, GenBatch, GenRequest, generate_all, merge_batches
+from reflow.policies.hf_engine import TransformersEngine
 from reflow.policies.tokenizer import EOS_ID
 from reflow.policies.trainer import Trainer
 

@@ -17,7 +17,8 @@ import pytest
 
 from reflow.envs.tools import format_output, run_tool_call
 from reflow.infra.multiturn import MultiTurnEngine, ToolSettings
-from reflow.policies.engines import EngineSettings, GenRequest, TransformersEngine, generate_all
+from reflow.policies.engines import EngineSettings, GenRequest, generate_all
+from reflow.policies.hf_engine import TransformersEngine
 from reflow.policies.tokenizer import EOS_ID, build_tokenizer
 
 TOK = build_tokenizer()
