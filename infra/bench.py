@@ -21,14 +21,25 @@ is the mean of the last k evaluations. A trailing mean only crosses once the
 evaluations already made say so: it delays every mode by the same number of
 eval points, never credits a mode with a lucky single evaluation. The raw
 curve is kept (``eval_curve``, ``final_accuracy_last``).
+
+Data and speed, apart (``data_curve``): the same evaluations against the
+new samples trained on so far (samples trained on for the first time; a
+replayed sample counts once). ``samples_to_target`` is read off that curve
+with the same smoothing, so time to target splits exactly into
+``samples_to_target / new_samples_per_s_to_target``: how much new data a
+mode needs to reach the target (what replay, staleness and batch shape buy
+or cost in learning) and how fast it trains on new data until then (what
+the engines and the overlap buy). A speedup between two modes is the
+product of the two ratios.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from reflow.infra.report import eval_points
 from reflow.infra.run import StepRecord, read_steps
@@ -62,6 +73,15 @@ class ModeResult:
     new_samples: int = 0  # samples trained on for the first time (the data the run used)
     trainer_idle_wall: float = 0.0  # share of the summed step time the trainer was not computing
     cpu_idle: float | None = None  # share of the machine's CPU time idle over the steps (None: not measured)
+    data_curve: list[tuple[float, float]] = field(default_factory=list)  # (new samples so far, accuracy), raw
+    samples_to_target: float | None = None  # new samples trained on when the target was reached (None: never)
+
+    @property
+    def new_samples_per_s_to_target(self) -> float | None:
+        """New samples trained on per second until the target: ``samples_to_target / time_to_target_s``."""
+        if self.samples_to_target is None or not self.time_to_target_s:
+            return None
+        return self.samples_to_target / self.time_to_target_s
 
 
 def _mean(steps: list[StepRecord], key: str) -> float:
@@ -88,6 +108,27 @@ def smoothed(curve: list[tuple[float, float]], k: int) -> list[tuple[float, floa
     return [(t, statistics.fmean(accs[max(0, i - k + 1): i + 1])) for i, (t, _) in enumerate(curve)]
 
 
+def data_points(steps: list[StepRecord]) -> list[tuple[float, float]]:
+    """(new samples trained on so far, eval accuracy) of the warm start (0) and of the steps that evaluated.
+
+    A step's evaluation is of the weights after it, so its own new samples count.
+    """
+    points: list[tuple[float, float]] = []
+    if steps and "eval_accuracy_baseline" in steps[0].metrics:
+        points.append((0.0, steps[0].metrics["eval_accuracy_baseline"]))
+    new = 0.0
+    for rec in steps:
+        new += _new_samples(rec)
+        if "eval_accuracy" in rec.metrics:
+            points.append((new, rec.metrics["eval_accuracy"]))
+    return points
+
+
+def _reached(curve: list[tuple[float, float]], k: int, target: float | None) -> float | None:
+    """Where the trailing mean of ``k`` points of ``curve`` first reaches ``target`` (None: no target, never)."""
+    return time_to_target(smoothed(curve, k), target) if target is not None and curve else None
+
+
 def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None,
               smooth_evals: int = 1) -> ModeResult:
     """A run directory's figures (``target`` None: no time-to-target yet; ``smooth_evals``: see the module)."""
@@ -107,18 +148,20 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None,
     # opened no round (nothing generated) and do not enter its mean
     ran = [r for r in steps if r.metrics.get("generated_tokens", 0.0) > 0]
     new = sum(_new_samples(r) for r in steps)
+    data = data_points(steps)
     return ModeResult(
         mode=mode, seed=seed, run_dir=str(run_dir), steps=len(steps), wall_s=wall, baseline_accuracy=curve[0][1],
         final_accuracy=statistics.fmean(a for _, a in curve[1:][-smooth_evals:] or curve[-1:]),
         final_accuracy_last=curve[-1][1], target_accuracy=target,
-        time_to_target_s=time_to_target(smoothed(curve, smooth_evals), target) if target is not None else None,
+        time_to_target_s=_reached(curve, smooth_evals, target),
         generated_tokens_per_s=gen / max(wall, 1e-9), engine_tokens_per_s=gen / max(engine_s, 1e-9),
         trained_tokens_per_s=trained / max(wall, 1e-9),
         trainer_idle=_mean(steps, "trainer_idle_fraction"), generator_idle=_mean(steps, "generator_idle_fraction"),
         staleness_mean=_mean(steps, "staleness_mean"), replay_share=_mean(steps, "replay_share"),
         bubble_ratio=_mean(ran, "rollout_bubble_ratio") if any("rollout_bubble_ratio" in r.metrics for r in steps)
         else None, eval_curve=curve, smooth_evals=smooth_evals, new_samples=int(new),
-        trainer_idle_wall=trainer_idle_wall(steps), cpu_idle=machine_cpu_idle(steps))
+        trainer_idle_wall=trainer_idle_wall(steps), cpu_idle=machine_cpu_idle(steps), data_curve=data,
+        samples_to_target=_reached(data, smooth_evals, target))
 
 
 def trainer_idle_wall(steps: list[StepRecord]) -> float:
@@ -221,9 +264,10 @@ def share_table(shares: dict[str, dict]) -> str:
 
 def with_target(result: ModeResult, target: float) -> ModeResult:
     data = asdict(result)
-    data.update(target_accuracy=target,
-                time_to_target_s=time_to_target(smoothed(result.eval_curve, result.smooth_evals), target))
+    data.update(target_accuracy=target, time_to_target_s=_reached(result.eval_curve, result.smooth_evals, target),
+                samples_to_target=_reached(result.data_curve, result.smooth_evals, target))
     data["eval_curve"] = [tuple(p) for p in data["eval_curve"]]
+    data["data_curve"] = [tuple(p) for p in data["data_curve"]]
     return ModeResult(**data)
 
 
@@ -247,6 +291,10 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
         cpu = [r.cpu_idle for r in rs if r.cpu_idle is not None]
         entry["cpu_idle"] = _spread(cpu) if cpu else None
         entry["time_to_target_s"] = _spread(reached) if len(reached) == len(rs) else None
+        data = [r.samples_to_target for r in rs if r.samples_to_target is not None]
+        entry["samples_to_target"] = _spread(data) if len(data) == len(rs) else None
+        rates = [r.new_samples_per_s_to_target for r in rs if r.new_samples_per_s_to_target is not None]
+        entry["new_samples_per_s_to_target"] = _spread(rates) if len(rates) == len(rs) else None
         entry["seeds_reaching_target"] = len(reached)
         entry["seeds"] = len(rs)
         out[mode] = entry
@@ -266,7 +314,8 @@ def table(summary: dict[str, dict]) -> str:
     """The per-mode table printed at the end of ``reflow bench``."""
     head = (f"{'mode':<17}{'to target s':>12}{'vs sync':>8}{'final acc':>10}{'gen tok/s':>10}{'engine tok/s':>13}"
             f"{'train tok/s':>12}"
-            f"{'trainer idle':>13}{'(wall)':>7}{'gen idle':>9}{'cpu idle':>9}{'stale':>6}{'replay':>7}{'bubble':>7}")
+            f"{'trainer idle':>13}{'(wall)':>7}{'gen idle':>9}{'cpu idle':>9}{'stale':>6}{'replay':>7}{'bubble':>7}"
+            f"{'new smp to tgt':>15}{'new smp/s to tgt':>17}")
     rows = [head, "-" * len(head)]
     for mode, e in summary.items():
         t = e["time_to_target_s"]
@@ -279,51 +328,64 @@ def table(summary: dict[str, dict]) -> str:
                     f" {e['generator_idle']['mean']:>8.0%}"
                     + (f" {e['cpu_idle']['mean']:>8.0%}" if e.get("cpu_idle") else f"{'-':>9}")
                     + f"{e['staleness_mean']['mean']:>6.2f}{e['replay_share']['mean']:>7.0%}"
-                    + (f"{e['bubble_ratio']['mean']:>7.0%}" if e["bubble_ratio"] else f"{'-':>7}"))
+                    + (f"{e['bubble_ratio']['mean']:>7.0%}" if e["bubble_ratio"] else f"{'-':>7}")
+                    + (f"{e['samples_to_target']['mean']:>15.0f}" if e.get("samples_to_target") else f"{'-':>15}")
+                    + (f"{e['new_samples_per_s_to_target']['mean']:>17.1f}" if e.get("new_samples_per_s_to_target")
+                       else f"{'-':>17}"))
     return "\n".join(rows)
 
 
 def plot(results: list[ModeResult], path: Path) -> Path:
-    """Held-out accuracy against training wall-clock, one colour per mode, one line per seed."""
+    """Held-out accuracy against training wall-clock (left) and against new samples trained on (right).
+
+    One colour per mode, one line per seed.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (by_time, by_data) = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
     colours = dict(zip(dict.fromkeys(r.mode for r in results), plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     labelled: set[str] = set()
     for r in results:
         label = None if r.mode in labelled else r.mode
-        if r.smooth_evals > 1:  # raw evaluations as dots, the trailing mean the figures use as the line
-            ax.plot([p[0] for p in r.eval_curve], [p[1] for p in r.eval_curve], "o", color=colours[r.mode], ms=2.5,
-                    alpha=0.4)
-            line = smoothed(r.eval_curve, r.smooth_evals)
-            ax.plot([p[0] for p in line], [p[1] for p in line], "-", color=colours[r.mode], alpha=0.9, label=label)
-        else:
-            ax.plot([p[0] for p in r.eval_curve], [p[1] for p in r.eval_curve], "o-", color=colours[r.mode], ms=3,
-                    alpha=0.85, label=label)
+        _curve(by_time, r.eval_curve, r.smooth_evals, colours[r.mode], label)
+        _curve(by_data, r.data_curve, r.smooth_evals, colours[r.mode], None)
         labelled.add(r.mode)
     targets = {r.target_accuracy for r in results if r.target_accuracy is not None}
-    for t in targets:
-        ax.axhline(t, color="grey", ls="--", lw=0.8)
-    ax.set_xlabel("training wall-clock seconds")
-    ax.set_ylabel("held-out accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
     k = max((r.smooth_evals for r in results), default=1)
-    ax.set_title("accuracy vs time per mode" + (f" (lines: trailing mean of {k} evaluations)" if k > 1 else ""))
+    for ax, xlabel in ((by_time, "training wall-clock seconds"), (by_data, "new samples trained on")):
+        for t in targets:
+            ax.axhline(t, color="grey", ls="--", lw=0.8)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    by_time.set_ylabel("held-out accuracy")
+    by_time.legend(loc="lower right")
+    by_time.set_title("accuracy vs time" + (f" (lines: trailing mean of {k} evaluations)" if k > 1 else ""))
+    by_data.set_title("accuracy vs new data (replayed samples count once)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def _curve(ax: Any, curve: list[tuple[float, float]], k: int, colour: str, label: str | None) -> None:
+    """Raw evaluations as dots and their trailing mean (what the figures use) as a line; k == 1: one line."""
+    if k > 1:
+        ax.plot([p[0] for p in curve], [p[1] for p in curve], "o", color=colour, ms=2.5, alpha=0.4)
+        line = smoothed(curve, k)
+        ax.plot([p[0] for p in line], [p[1] for p in line], "-", color=colour, alpha=0.9, label=label)
+    else:
+        ax.plot([p[0] for p in curve], [p[1] for p in curve], "o-", color=colour, ms=3, alpha=0.85, label=label)
+
+
 def write_json(path: Path, results: list[ModeResult], summary: dict, meta: dict,
                shares: dict | None = None) -> Path:
     """``bench.json``: meta, per-mode summary, every run, and ``by_share`` (``time_to_share_of_sync_gain``)."""
     tmp = path.with_suffix(".json.tmp")
-    data = {"meta": meta, "summary": summary, "runs": [asdict(r) for r in results]}
+    runs = [{**asdict(r), "new_samples_per_s_to_target": r.new_samples_per_s_to_target} for r in results]
+    data = {"meta": meta, "summary": summary, "runs": runs}
     if shares is not None:
         data["time_to_share_of_sync_gain"] = shares
     tmp.write_text(json.dumps(data, indent=2))

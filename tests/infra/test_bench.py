@@ -142,3 +142,28 @@ def test_equal_data_gives_reflow_the_steps_its_new_groups_need_and_new_samples_a
         "samples": 64.0, "fresh_samples": 24.0, "stale_samples": 8.0, "replayed_samples": 32.0}), None)
     assert (rounds.new_samples, streaming.new_samples) == (6 * 64, 6 * 32)
     assert bench.aggregate([streaming])["reflow"]["new_samples"]["mean"] == 6 * 32
+
+
+def test_samples_to_target_splits_time_to_target_into_data_and_rate(tmp_path: Path) -> None:
+    """The data curve counts new samples only; time to target = samples to target / new samples per second."""
+    # six steps of 5 s; each trains 24 fresh + 8 stale (new) and 32 replayed samples; evaluations after steps 1 and 3
+    r = bench.summarise("reflow", 0, _run(tmp_path, "r", {1: 0.3, 3: 0.5}, 5.0, {
+        "samples": 64.0, "fresh_samples": 24.0, "stale_samples": 8.0, "replayed_samples": 32.0}), 0.4)
+    assert r.eval_curve == [(0.0, 0.2), (10.0, 0.3), (20.0, 0.5)]
+    assert r.data_curve == [(0.0, 0.2), (64.0, 0.3), (128.0, 0.5)]  # 2 and 4 steps of 32 new samples
+    assert r.time_to_target_s == pytest.approx(15.0) and r.samples_to_target == pytest.approx(96.0)
+    assert r.new_samples_per_s_to_target == pytest.approx(96.0 / 15.0)
+    # the same learning per new sample at half the rate: twice the time, the same data
+    slow = bench.summarise("async", 0, _run(tmp_path, "a", {1: 0.3, 3: 0.5}, 10.0, {"samples": 32.0}), 0.4)
+    assert slow.samples_to_target == pytest.approx(96.0) and slow.time_to_target_s == pytest.approx(30.0)
+    never = bench.with_target(r, 0.9)
+    assert never.samples_to_target is None and never.new_samples_per_s_to_target is None
+    summary = bench.aggregate([r, slow])
+    assert summary["reflow"]["samples_to_target"]["mean"] == pytest.approx(96.0)
+    assert summary["async"]["new_samples_per_s_to_target"]["mean"] == pytest.approx(3.2)
+    assert bench.aggregate([never])["reflow"]["samples_to_target"] is None
+    assert "96" in bench.table(summary) and "6.4" in bench.table(summary)
+    path = bench.write_json(tmp_path / "bench.json", [r, slow], summary, {})
+    runs = json.loads(path.read_text())["runs"]
+    assert runs[0]["data_curve"][2] == [128.0, 0.5] and runs[1]["new_samples_per_s_to_target"] == pytest.approx(3.2)
+    assert bench.plot([r, slow], tmp_path / "bench.png").stat().st_size > 0
