@@ -50,8 +50,8 @@ import pyarrow as pa
 from deltalake import DeltaTable, QueryBuilder
 from deltalake.exceptions import DeltaError
 
-from reflow.storage.delta_store import TABLE_SPECS, TRAJECTORIES, USAGE, DeltaTrajectoryStore, StorageError, \
-    _plain_arrow
+from reflow.storage.delta_store import QUERY_SESSION, TABLE_SPECS, TRAJECTORIES, USAGE, DeltaTrajectoryStore, \
+    StorageError, _plain_arrow
 from reflow.storage.sampler import BatchSelection, _quote
 from reflow.storage.schema import Usage
 
@@ -108,7 +108,7 @@ class CachedTables:
     def query(self, sql: str) -> pa.Table:
         """Run DataFusion SQL over ``trajectories`` and ``usage`` at their latest versions."""
         with self._lock:
-            builder = QueryBuilder()
+            builder = QueryBuilder(QUERY_SESSION)
             for name, table in self._current().items():
                 builder.register(name, table)
             try:
