@@ -131,8 +131,8 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline, first: int = 0) -> lis
     # The gate counts whole batches in both modes: reflow trains on fresh groups first, so it consumes a full
     # batch of them whenever they are there, and a gate sized by its minimum fresh share starves the engine.
     # Appends of a quarter batch (or one a second) in both modes: each is a Prefect task run and a Delta commit
-    # on the control plane's CPU, which the engine shares. Sized by reflow's fresh share, reflow wrote twice as
-    # often as async for the same groups (113 appends in a 30-step run, 2026-12-02).
+    # on the control plane's CPU, which the engine shares. Sized by reflow's fresh share (a quarter of 16 groups),
+    # reflow appended 4.8 groups at a time; now 6.4, async 6.7 (2026-12-02, configs/bench.toml).
     backend = RayFeeder(run_dir, keep_going=lambda: not state.stop)
     feeder = FeederLoop(backend, state, StalenessGate(b.max_staleness_versions, groups, groups),
                         controller, clock, window_s=b.drain_window_s,
