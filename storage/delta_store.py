@@ -64,12 +64,7 @@ TABLE_SPECS: dict[str, TableSpec] = {
 # reproducible whatever the file layout (compaction reorders files).
 _READ_ORDER = [("rollout_step", "ascending"), ("trajectory_id", "ascending")]
 
-# DataFusion session of every SQL query: one partition per operator. The
-# default (one per core) adds repartition and merge steps that only pay on
-# large scans; a replay selection reads a few thousand rows per version, on
-# cores the engine and the trainer already use. At 1,000,000 rows
-# (`reflow bench-sampler`, 60 selections each, interleaved): p50 63.9 -> 60.3
-# ms, p95 95.2 -> 79.5 ms (2026-12-02).
+# One partition per operator, not one per core: selection p95 at 1M rows 95 -> 80 ms (docs/measurements.md).
 QUERY_SESSION = {"datafusion.execution.target_partitions": "1"}
 
 
