@@ -217,6 +217,12 @@ class TrainConfig(_Section):
         True, description="Before the run's clock starts, run forward and backward once per padded length "
         "class at the full micro-batch budget on dummy data (weights, optimiser and RNG untouched), so the "
         "trainer process holds its peak memory before the first step (README \"Memory on this machine\").")
+    lr_by_weight: bool = Field(
+        True, description="Scale each step's learning rate by the mean loss weight of the samples it trains on "
+        "(those with a gradient). AdamW normalises the gradient's scale, so loss weights alone only re-balance "
+        "samples within a batch: a batch of down-weighted replayed samples still moves the weights a full step. "
+        "With this on (default) it moves them by its mean weight; off: every step at the full rate, as before "
+        "2026-12-02 (README \"The streaming modes\").")
     is_cap_mode: Literal["truncate", "mask"] = Field(
         "truncate", description="decoupled: above the cap, truncate the weight (verl's TIS) or drop the token "
         "(mask, AReaL's code).")

@@ -154,7 +154,10 @@ def replay_weight(reuse_count: int | torch.Tensor, staleness: int | torch.Tensor
       (``1 + 1/2 + 1/4 + ... < 2``) whatever ``max_reuse`` is: replay can
       stretch a generation over several updates but no sample can dominate
       the gradient the way repeated full-weight epochs do (the overfitting
-      risk of PPO epochs on the same data).
+      risk of PPO epochs on the same data). AdamW ignores a loss's scale,
+      so that bound holds for the step's size only with
+      ``train.lr_by_weight`` (the default), which scales each step's
+      learning rate by its samples' mean weight.
     * ``staleness_decay = 0.9``: mild, because the bias of old samples is
       already corrected token by token (``decoupled_ppo_loss``); the decay
       only curbs the variance that the importance weights add as data ages.

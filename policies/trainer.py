@@ -52,6 +52,7 @@ class StepMetrics:
     seconds: float
     skipped_samples: int = 0  # samples left out because their gradient is exactly zero (``Trainer.skippable``)
     skipped_tokens: int = 0  # their loss tokens (still counted in the token_mean normaliser)
+    learning_rate: float = 0.0  # the step's learning rate (``TrainConfig.lr_by_weight`` scales it)
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -196,6 +197,9 @@ class Trainer:
             for p in self.model.parameters():
                 p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        lr = self.step_learning_rate(active)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
         self.optimizer.step()
         self.version += 1
         per_token = float(max(trained_tokens, 1))
@@ -204,7 +208,20 @@ class Trainer:
                            clip_fraction=sums["clip"] / per_token, ratio_mean=sums["ratio"] / per_token,
                            trained_tokens=trained_tokens, micro_batches=len(groups),
                            seconds=time.perf_counter() - start, skipped_samples=len(samples) - len(active),
-                           skipped_tokens=loss_tokens - trained_tokens)
+                           skipped_tokens=loss_tokens - trained_tokens, learning_rate=lr)
+
+    def step_learning_rate(self, active: list[TrainSample]) -> float:
+        """``learning_rate``, times the mean loss weight of ``active`` with ``lr_by_weight`` (else unscaled).
+
+        AdamW divides each coordinate's step by its running gradient scale,
+        so scaling every sample's loss by ``w`` leaves the step's size nearly
+        unchanged; scaling the learning rate by the batch's mean weight is
+        what makes a batch of samples weighted ``w`` move the weights ``w``
+        times as far. A batch with nothing to train on keeps the full rate.
+        """
+        if not self.cfg.lr_by_weight or not active:
+            return self.cfg.learning_rate
+        return self.cfg.learning_rate * sum(s.loss_weight for s in active) / len(active)
 
     def _micro_step(self, samples: list[TrainSample], normaliser: float) -> dict[str, float]:
         batch = {k: v.to(self.device) for k, v in _collate(samples, self.pad_id).items()}

@@ -23,7 +23,7 @@ def step_metrics(run_dir: str, scored: ScoreSummary, updated: UpdateSummary, syn
         "response_length_mean": scored.length_mean, "response_length_p50": scored.length_p50,
         "response_length_p99": scored.length_p99, "loss": updated.loss, "kl": updated.kl,
         "entropy": updated.entropy, "grad_norm": updated.grad_norm, "clip_fraction": updated.clip_fraction,
-        "importance_ratio_mean": updated.ratio_mean,
+        "importance_ratio_mean": updated.ratio_mean, "learning_rate": updated.learning_rate,
         "generated_tokens": float(scored.generated_tokens), "trained_tokens": float(updated.trained_tokens),
         "skipped_tokens": float(updated.skipped_tokens),
         "generated_tokens_per_s": scored.generated_tokens / max(scored.generation_seconds, 1e-9),

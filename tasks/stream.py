@@ -337,6 +337,7 @@ class RaySelector:
             "response_length_p50": b.length_p50, "response_length_p99": b.length_p99,
             "loss": updated.loss, "kl": updated.kl, "entropy": updated.entropy, "grad_norm": updated.grad_norm,
             "clip_fraction": updated.clip_fraction, "importance_ratio_mean": updated.ratio_mean,
+            "learning_rate": updated.learning_rate,
             "generated_tokens": float(tokens_d), "trained_tokens": float(updated.trained_tokens),
             "skipped_tokens": float(updated.skipped_tokens),
             "generated_tokens_per_s": tokens_d / step_s,

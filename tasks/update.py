@@ -44,6 +44,7 @@ class UpdateSummary:
     seconds: float
     batch: BatchStats  # rewards and lengths of the rows trained on
     prefetched: bool = False  # the trainer had read the batch while the step before computed (reflow)
+    learning_rate: float = 0.0  # the step's learning rate
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def finish_update(run_dir: str, pending: PendingUpdate, timeout: float | None = 
                          staleness_mean=sum(staleness) / max(len(staleness), 1),
                          staleness_max=max(staleness, default=0),
                          seconds=ctx.clock.now() - pending.started, batch=result.batch,
-                         prefetched=result.prefetched)
+                         prefetched=result.prefetched, learning_rate=metrics.learning_rate)
 
 
 @task(name="update", cache_policy=NO_CACHE)

@@ -96,6 +96,37 @@ def test_an_all_zero_batch_still_steps_adam_with_a_zero_gradient(random_model_di
         assert torch.allclose(finals[0][name], finals[1][name], atol=1e-7), name
 
 
+def _weighted(samples: list[TrainSample], weights: list[float]) -> list[TrainSample]:
+    return [TrainSample(s.prompt_tokens, s.response_tokens, s.behaviour_logprobs, s.loss_mask, s.advantage, w)
+            for s, w in zip(samples, weights)]
+
+
+def test_lr_by_weight_scales_the_step_by_the_mean_weight_of_the_samples_trained_on(random_model_dir: Path) -> None:
+    """Adam's first step is lr * sign(g) per coordinate: with the rate scaled, the weights move 0.5x as far."""
+    # weights 1, 0.5, 0.25, 0.25 on samples with a gradient (mean 0.5); the zero-advantage one is skipped
+    samples = _with_zero_advantage(_weighted(_samples(5, seed=6), [0.1, 1.0, 0.5, 0.25, 0.25]), every=5)
+    deltas, rates = [], []
+    for scaled in (False, True):
+        trainer = Trainer(str(random_model_dir), TrainConfig(learning_rate=1e-3, lr_by_weight=scaled), seed=0)
+        before = trainer.export_weights()
+        metrics = trainer.step(samples)
+        assert metrics.skipped_samples == 1
+        rates.append(metrics.learning_rate)
+        after = trainer.export_weights()
+        deltas.append({n: after[n] - before[n] for n in after})
+    assert rates == [pytest.approx(1e-3), pytest.approx(5e-4)]
+    moved = [n for n in deltas[0] if deltas[0][n].abs().max() > 1e-5]
+    assert moved
+    for name in moved:
+        assert torch.allclose(deltas[1][name], 0.5 * deltas[0][name], atol=1e-6), name
+
+
+def test_lr_by_weight_keeps_the_full_rate_for_a_batch_with_nothing_to_train(random_model_dir: Path) -> None:
+    flat = _with_zero_advantage(_weighted(_samples(3, seed=7), [0.2, 0.2, 0.2]), every=1)
+    trainer = Trainer(str(random_model_dir), TrainConfig(learning_rate=1e-3, lr_by_weight=True), seed=0)
+    assert trainer.step(flat).learning_rate == pytest.approx(1e-3)
+
+
 def test_step_raises_logprob_of_positive_advantage_response(random_model_dir: Path) -> None:
     trainer = Trainer(str(random_model_dir), TrainConfig(learning_rate=1e-2), seed=0)
     prompt, good, bad = [10, 11, 12], [20, 21, 22, 2], [30, 31, 2]
