@@ -197,7 +197,7 @@ class Trainer:
             for p in self.model.parameters():
                 p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        lr = self.step_learning_rate(active)
+        lr = self.step_learning_rate(samples)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         self.optimizer.step()
@@ -210,18 +210,27 @@ class Trainer:
                            seconds=time.perf_counter() - start, skipped_samples=len(samples) - len(active),
                            skipped_tokens=loss_tokens - trained_tokens, learning_rate=lr)
 
-    def step_learning_rate(self, active: list[TrainSample]) -> float:
-        """``learning_rate``, times the mean loss weight of ``active`` with ``lr_by_weight`` (else unscaled).
+    def step_learning_rate(self, samples: list[TrainSample]) -> float:
+        """``learning_rate``, times the mean loss weight of the samples with a gradient (``lr_by_weight``).
 
         AdamW divides each coordinate's step by its running gradient scale,
         so scaling every sample's loss by ``w`` leaves the step's size nearly
         unchanged; scaling the learning rate by the batch's mean weight is
         what makes a batch of samples weighted ``w`` move the weights ``w``
-        times as far. A batch with nothing to train on keeps the full rate.
+        times as far. The mean is over samples with a non-zero advantage and
+        weight (whether or not ``skippable`` leaves the others out), summed
+        over every rank when sharded so all ranks step alike; a batch with
+        none keeps the full rate.
         """
-        if not self.cfg.lr_by_weight or not active:
+        if not self.cfg.lr_by_weight:
             return self.cfg.learning_rate
-        return self.cfg.learning_rate * sum(s.loss_weight for s in active) / len(active)
+        weights = [s.loss_weight for s in samples if s.advantage != 0.0 and s.loss_weight != 0.0]
+        total, count = float(sum(weights)), float(len(weights))
+        if self._sharded:
+            sums = torch.tensor([total, count], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(sums)
+            total, count = float(sums[0]), float(sums[1])
+        return self.cfg.learning_rate * total / count if count else self.cfg.learning_rate
 
     def _micro_step(self, samples: list[TrainSample], normaliser: float) -> dict[str, float]:
         batch = {k: v.to(self.device) for k, v in _collate(samples, self.pad_id).items()}

@@ -106,19 +106,21 @@ def test_lr_by_weight_scales_the_step_by_the_mean_weight_of_the_samples_trained_
     # weights 1, 0.5, 0.25, 0.25 on samples with a gradient (mean 0.5); the zero-advantage one is skipped
     samples = _with_zero_advantage(_weighted(_samples(5, seed=6), [0.1, 1.0, 0.5, 0.25, 0.25]), every=5)
     deltas, rates = [], []
-    for scaled in (False, True):
-        trainer = Trainer(str(random_model_dir), TrainConfig(learning_rate=1e-3, lr_by_weight=scaled), seed=0)
+    for scaled, skip in ((False, True), (True, True), (True, False)):
+        trainer = Trainer(str(random_model_dir), TrainConfig(learning_rate=1e-3, lr_by_weight=scaled,
+                                                             skip_zero_advantage=skip), seed=0)
         before = trainer.export_weights()
         metrics = trainer.step(samples)
-        assert metrics.skipped_samples == 1
+        assert metrics.skipped_samples == (1 if skip else 0)
         rates.append(metrics.learning_rate)
         after = trainer.export_weights()
         deltas.append({n: after[n] - before[n] for n in after})
-    assert rates == [pytest.approx(1e-3), pytest.approx(5e-4)]
+    assert rates == [pytest.approx(1e-3), pytest.approx(5e-4), pytest.approx(5e-4)]  # skipped or not
     moved = [n for n in deltas[0] if deltas[0][n].abs().max() > 1e-5]
     assert moved
     for name in moved:
         assert torch.allclose(deltas[1][name], 0.5 * deltas[0][name], atol=1e-6), name
+        assert torch.allclose(deltas[2][name], deltas[1][name], atol=1e-6), name
 
 
 def test_lr_by_weight_keeps_the_full_rate_for_a_batch_with_nothing_to_train(random_model_dir: Path) -> None:
