@@ -81,10 +81,13 @@ def bench_flow(config: str | None, overrides: list[str], modes: list[str], seeds
             "smooth_evals": smooth_evals,
             "run_length": "equal data (run.total_steps batches of new groups)" if equal_data else "equal steps"}
     shares = bench.by_share(results) if "sync" in modes else None
-    bench.write_json(Path(out) / "bench.json", results, summary, meta, shares)
+    speedups = bench.seed_speedups(results) if "reflow" in modes and len(modes) > 1 else None
+    bench.write_json(Path(out) / "bench.json", results, summary, meta, shares, speedups)
     bench.plot(results, Path(out) / "bench.png")
     print("\n" + bench.table(summary), flush=True)
     if shares is not None:
         print("\n" + bench.share_table(shares), flush=True)
+    if speedups is not None:
+        print("\n" + bench.seed_table(speedups), flush=True)
     print(f"\ntargets: {targets}\nbench.json: {Path(out) / 'bench.json'}\nplot: {Path(out) / 'bench.png'}", flush=True)
     return summary

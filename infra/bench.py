@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -310,6 +310,94 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
     return out
 
 
+# The issue's speed targets for reflow: sooner than the fastest baseline by 1.3x, than sync by 2x.
+SPEEDUP_TARGETS = {"vs_best_baseline": 1.3, "vs_sync": 2.0}
+BASELINES = ("sync", "one_step_off", "async")
+
+
+def _invocation(result: ModeResult) -> str:
+    """The bench output directory a run belongs to (``OUT/runs/<mode>-s<seed>/<run>``): one invocation."""
+    parts = Path(result.run_dir).parts
+    return parts[-4] if len(parts) >= 4 and parts[-3] == "runs" else str(Path(result.run_dir).parent)
+
+
+def seed_speedups(results: list[ModeResult], mode: str = "reflow") -> dict:
+    """``mode``'s speedups seed by seed, and how they spread over the seeds.
+
+    ``aggregate``'s speedups are ratios of means over seeds, in which the
+    slowest seed weighs most. Here each seed (of each bench invocation: the
+    rows of one seed run one after another on one machine, so their ratios
+    share its speed of the moment) gives its own ratios: ``vs_sync`` is
+    sync's time to target over the mode's, ``vs_best_baseline`` the fastest
+    baseline's (sync, one_step_off, async; those that never reached the
+    target left out) over the mode's. A mode that never reached it scores
+    0.0 against a baseline that did; no ratio (None) where neither did. A
+    seed where the mode reached the target and no baseline did meets
+    ``SPEEDUP_TARGETS`` (``best`` None). Per ratio over the seeds: ``median``,
+    ``min``, ``max`` of the defined ratios, and ``met``, the seeds at or
+    over the target, out of ``seeds``.
+    """
+    keys = sorted({(_invocation(r), r.seed) for r in results if r.mode == mode})
+    seeds: list[dict] = []
+    for invocation, seed in keys:
+        rows = {r.mode: r for r in results if r.seed == seed and _invocation(r) == invocation}
+        mine = rows[mode].time_to_target_s
+        reached = {m: rows[m].time_to_target_s for m in BASELINES
+                   if m in rows and m != mode and rows[m].time_to_target_s is not None}
+        best = min(reached, key=reached.get) if reached else None
+        entry: dict[str, Any] = {"invocation": invocation, "seed": seed, "time_to_target_s": mine, "best": best,
+                                 "final_accuracy": rows[mode].final_accuracy,
+                                 "sync_final_accuracy": rows["sync"].final_accuracy if "sync" in rows else None}
+        for key, ref in (("vs_sync", reached.get("sync")), ("vs_best_baseline", reached.get(best) if best else None)):
+            if ref is None:  # the baseline(s) never reached the target, or did not run
+                ran = "sync" in rows if key == "vs_sync" else any(m in rows for m in BASELINES if m != mode)
+                entry[key] = None
+                entry[f"{key}_met"] = mine is not None and ran
+            else:
+                entry[key] = ref / mine if mine else 0.0
+                entry[f"{key}_met"] = entry[key] >= SPEEDUP_TARGETS[key]
+        seeds.append(entry)
+    spread: dict[str, Any] = {"seeds": len(seeds)}
+    for key, goal in SPEEDUP_TARGETS.items():
+        values = [e[key] for e in seeds if e[key] is not None]
+        spread[key] = {"target": goal, "met": sum(e[f"{key}_met"] for e in seeds),
+                       **({"median": statistics.median(values), "min": min(values), "max": max(values)}
+                          if values else {})}
+    return {"mode": mode, "per_seed": seeds, "spread": spread}
+
+
+def seed_table(speedups: dict) -> str:
+    """``seed_speedups`` as text: one line per seed, then the spread."""
+    mode = speedups["mode"]
+    lines = [f"{mode} seed by seed (x: the other's time to target / {mode}'s)"]
+    for e in speedups["per_seed"]:
+        mine = "never" if e["time_to_target_s"] is None else f"{e['time_to_target_s']:.1f} s"
+        best = "no baseline reached" if e["best"] is None else (
+            f"{e['vs_best_baseline']:.2f}x the best baseline ({e['best']})")
+        sync = "-" if e["vs_sync"] is None else f"{e['vs_sync']:.2f}x"
+        final = "" if e["sync_final_accuracy"] is None else (
+            f"; final {e['final_accuracy']:.3f} (sync {e['sync_final_accuracy']:.3f})")
+        lines.append(f"  {e['invocation']}/s{e['seed']}: {mine}, {best}, {sync} sync{final}")
+    spread = speedups["spread"]
+    for key, label in (("vs_best_baseline", "the best baseline"), ("vs_sync", "sync")):
+        s = spread[key]
+        span = f"median {s['median']:.2f}x ({s['min']:.2f}x to {s['max']:.2f}x), " if "median" in s else ""
+        lines.append(f"  against {label}: {span}{s['met']} of {spread['seeds']} seeds at {s['target']}x or more")
+    return "\n".join(lines)
+
+
+def load_results(path: Path) -> list[ModeResult]:
+    """The runs of a ``bench.json`` (``path``: the file or its directory), as written by ``write_json``."""
+    path = path / "bench.json" if path.is_dir() else path
+    try:
+        runs = json.loads(path.read_text())["runs"]
+        names = {f.name for f in fields(ModeResult)}
+        return [ModeResult(**{k: (([tuple(p) for p in v]) if k in ("eval_curve", "data_curve") else v)
+                              for k, v in run.items() if k in names}) for run in runs]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a bench.json written by reflow bench ({exc})") from exc
+
+
 def table(summary: dict[str, dict]) -> str:
     """The per-mode table printed at the end of ``reflow bench``."""
     head = (f"{'mode':<17}{'to target s':>12}{'vs sync':>8}{'final acc':>10}{'gen tok/s':>10}{'engine tok/s':>13}"
@@ -381,13 +469,16 @@ def _curve(ax: Any, curve: list[tuple[float, float]], k: int, colour: str, label
 
 
 def write_json(path: Path, results: list[ModeResult], summary: dict, meta: dict,
-               shares: dict | None = None) -> Path:
-    """``bench.json``: meta, per-mode summary, every run, and ``by_share`` (``time_to_share_of_sync_gain``)."""
+               shares: dict | None = None, speedups: dict | None = None) -> Path:
+    """``bench.json``: meta, per-mode summary, every run, ``by_share`` (``time_to_share_of_sync_gain``) and
+    ``seed_speedups`` (``reflow_by_seed``)."""
     tmp = path.with_suffix(".json.tmp")
     runs = [{**asdict(r), "new_samples_per_s_to_target": r.new_samples_per_s_to_target} for r in results]
     data = {"meta": meta, "summary": summary, "runs": runs}
     if shares is not None:
         data["time_to_share_of_sync_gain"] = shares
+    if speedups is not None:
+        data["reflow_by_seed"] = speedups
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
     return path

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run every mode for run.total_steps steps (default: for run.total_steps batches' worth "
                             "of new groups, so that reflow, whose batches are partly replayed, gets the same data)")
     modes.add_argument("--out", metavar="DIR", required=True, help="where bench.json, bench.png and the runs go")
+    report = sub.add_parser("bench-report", help="reflow's speedups seed by seed over one or more bench outputs")
+    report.add_argument("dirs", nargs="+", metavar="DIR", help="bench output directories (or their bench.json)")
+    report.add_argument("--out", metavar="FILE", help="also write the figures as JSON to FILE")
     query = sub.add_parser("query", help="run SQL over a run's Delta tables (trajectories, usage, rollout_cache)")
     query.add_argument("sql", help='SQL (DataFusion dialect), e.g. "SELECT count(*) FROM trajectories"')
     _add_target_args(query)
@@ -333,6 +336,31 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_report(args: argparse.Namespace) -> int:
+    from reflow.infra import bench
+
+    if args.out and (Path(args.out).is_dir() or not Path(args.out).parent.is_dir()):
+        raise InputError(f"--out: {args.out!r} must be a file in an existing directory")
+    results = []
+    for item in args.dirs:
+        path = Path(item)
+        if not (path / "bench.json" if path.is_dir() else path).is_file():
+            raise InputError(f"{item}: no bench.json there (run reflow bench --out {item} first)")
+        try:
+            results += bench.load_results(path)
+        except ValueError as exc:
+            raise InputError(str(exc)) from exc
+    if not any(r.mode == "reflow" for r in results):
+        raise InputError(f"no reflow rows in {', '.join(args.dirs)}")
+    speedups = bench.seed_speedups(results)
+    print(bench.seed_table(speedups), flush=True)
+    if args.out:
+        tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
+        tmp.write_text(json.dumps(speedups, indent=2))
+        tmp.replace(args.out)
+    return 0
+
+
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     from reflow.infra.reproduce import ReproduceError, check_inputs, fetch_manifest, locate, open_client
 
@@ -411,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupt_on_signals()
     handlers = {"run": _cmd_run, "resume": _cmd_resume, "serve": _cmd_serve, "config": _cmd_config,
                 "bench-sampler": _cmd_bench_sampler, "bench-engine": _cmd_bench_engine, "bench": _cmd_bench,
+                "bench-report": _cmd_bench_report,
                 "query": cmd_query, "maintain": cmd_maintain, "reproduce": _cmd_reproduce}
     handler = _cmd_model_init if args.command == "model" else handlers[args.command]
     try:

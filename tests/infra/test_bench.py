@@ -167,3 +167,71 @@ def test_samples_to_target_splits_time_to_target_into_data_and_rate(tmp_path: Pa
     runs = json.loads(path.read_text())["runs"]
     assert runs[0]["data_curve"][2] == [128.0, 0.5] and runs[1]["new_samples_per_s_to_target"] == pytest.approx(3.2)
     assert bench.plot([r, slow], tmp_path / "bench.png").stat().st_size > 0
+
+
+def _result(out: Path, mode: str, seed: int, ttt: float | None, final: float = 0.4) -> bench.ModeResult:
+    """A summarised run as ``reflow bench --out OUT`` lays it out (only what ``seed_speedups`` reads matters)."""
+    return bench.ModeResult(mode=mode, seed=seed, run_dir=str(out / "runs" / f"{mode}-s{seed}" / "run"), steps=30,
+                            wall_s=60.0, baseline_accuracy=0.2, final_accuracy=final, target_accuracy=0.35,
+                            time_to_target_s=ttt, generated_tokens_per_s=1.0, engine_tokens_per_s=1.0,
+                            trained_tokens_per_s=1.0, trainer_idle=0.1, generator_idle=0.1, staleness_mean=0.0,
+                            replay_share=0.0, bubble_ratio=None, eval_curve=[(0.0, 0.2), (60.0, final)])
+
+
+def test_seed_speedups_are_ratios_within_each_seed_of_each_invocation(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    results = [
+        # a/s0: async is the fastest baseline (12 s); reflow 8 s: 1.5x it, 2.5x sync (20 s)
+        _result(a, "sync", 0, 20.0, 0.40), _result(a, "one_step_off", 0, 15.0), _result(a, "async", 0, 12.0),
+        _result(a, "reflow", 0, 8.0, 0.42),
+        # a/s1: reflow never reaches the target that sync reached: 0.0 against both
+        _result(a, "sync", 1, 30.0), _result(a, "async", 1, None), _result(a, "reflow", 1, None),
+        # b/s0 (the same seed, another invocation): no baseline reached it, reflow did
+        _result(b, "sync", 0, None), _result(b, "async", 0, None), _result(b, "reflow", 0, 40.0),
+    ]
+    out = bench.seed_speedups(results)
+    first, second, third = out["per_seed"]
+    assert (first["invocation"], first["seed"], first["best"]) == ("a", 0, "async")
+    assert first["vs_best_baseline"] == pytest.approx(1.5) and first["vs_sync"] == pytest.approx(2.5)
+    assert first["vs_best_baseline_met"] and first["vs_sync_met"]
+    assert first["final_accuracy"] == 0.42 and first["sync_final_accuracy"] == 0.40
+    assert (second["best"], second["vs_sync"], second["vs_best_baseline"]) == ("sync", 0.0, 0.0)
+    assert not second["vs_sync_met"] and not second["vs_best_baseline_met"]
+    assert (third["invocation"], third["best"], third["vs_sync"], third["vs_best_baseline"]) == ("b", None, None, None)
+    assert third["vs_sync_met"] and third["vs_best_baseline_met"]  # reached where no baseline did
+    spread = out["spread"]
+    assert spread["seeds"] == 3
+    assert spread["vs_best_baseline"] == {"target": 1.3, "met": 2, "median": 0.75, "min": 0.0, "max": 1.5}
+    assert spread["vs_sync"] == {"target": 2.0, "met": 2, "median": 1.25, "min": 0.0, "max": 2.5}
+    text = bench.seed_table(out)
+    assert "a/s0: 8.0 s, 1.50x the best baseline (async), 2.50x sync; final 0.420 (sync 0.400)" in text
+    assert "b/s0: 40.0 s, no baseline reached, - sync" in text
+    assert "against the best baseline: median 0.75x (0.00x to 1.50x), 2 of 3 seeds at 1.3x or more" in text
+
+
+def test_bench_json_round_trips_and_bench_report_reads_several(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    for name, ttt in (("a", 8.0), ("b", 16.0)):
+        out = tmp_path / name
+        out.mkdir()
+        results = [_result(out, "sync", 0, 20.0), _result(out, "reflow", 0, ttt)]
+        bench.write_json(out / "bench.json", results, bench.aggregate(results), {"seeds": [0]},
+                         speedups=bench.seed_speedups(results))
+        assert bench.load_results(out) == results
+        assert json.loads((out / "bench.json").read_text())["reflow_by_seed"]["per_seed"][0]["vs_sync"] == \
+            pytest.approx(20.0 / ttt)
+    cli = [sys.executable, "-m", "reflow.infra.cli", "bench-report"]
+    done = subprocess.run([*cli, str(tmp_path / "a"), str(tmp_path / "b" / "bench.json"), "--out",
+                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "a/s0: 8.0 s, 2.50x the best baseline (sync), 2.50x sync" in done.stdout
+    assert "b/s0: 16.0 s, 1.25x the best baseline (sync), 1.25x sync" in done.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["spread"]["vs_sync"]["met"] == 1
+    (tmp_path / "bad.json").write_text("{}")
+    for args, message in (([str(tmp_path / "nowhere")], "no bench.json there"),
+                          ([str(tmp_path / "bad.json")], "not a bench.json"),
+                          ([str(tmp_path / "a"), "--out", str(tmp_path)], "must be a file")):
+        done = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
