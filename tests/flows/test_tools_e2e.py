@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
+from reflow.envs.tools import OUTPUT_OPEN
 from reflow.policies.tokenizer import build_tokenizer
 
 from .test_rl_train_e2e import REPO, _run
@@ -21,6 +22,7 @@ SMALL = ["model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_
          "run.total_steps=3", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
          "env.eval_prompts=4", "eval.every_steps=2", "concurrency.initial_sequences=16",
          "concurrency.min_sequences=4", "buffer.max_staleness_versions=1"]
+OPEN = "\n" + OUTPUT_OPEN  # what an appended tool output starts with
 
 
 def _check_tool_rows(run_dir: Path) -> list[dict]:
@@ -34,7 +36,12 @@ def _check_tool_rows(run_dir: Path) -> list[dict]:
         text = tok.decode(r["response_tokens"], skip_special_tokens=False)
         masked = "".join(ch for ch, m in zip([tok.decode([t]) for t in r["response_tokens"]], r["loss_mask"])
                          if m == 0)
-        outputs = [text[a:b] for a, b in _spans(text)]
+        spans = _spans(text)
+        outputs = [text[a:b] for a, b in spans]
+        if r["finish_reason"] == "length" and (not spans or spans[-1][1] < len(text)):
+            # an output cut by the token budget inside its opening tag
+            outputs += [text[-k:] for k in range(len(OPEN) - 1, 0, -1)  # one token per character
+                        if OPEN.startswith(text[-k:]) and not any(r["loss_mask"][-k:])][:1]
         assert masked == "".join(outputs), r["trajectory_id"]  # exactly the appended tool outputs are masked
         assert all(lp == 0.0 for lp, m in zip(r["behaviour_logprobs"], r["loss_mask"]) if m == 0)
         assert len(outputs) <= 2  # tools.max_calls

@@ -116,11 +116,14 @@ def test_lr_by_weight_scales_the_step_by_the_mean_weight_of_the_samples_trained_
         after = trainer.export_weights()
         deltas.append({n: after[n] - before[n] for n in after})
     assert rates == [pytest.approx(1e-3), pytest.approx(5e-4), pytest.approx(5e-4)]  # skipped or not
-    moved = [n for n in deltas[0] if deltas[0][n].abs().max() > 1e-5]
-    assert moved
-    for name in moved:
-        assert torch.allclose(deltas[1][name], 0.5 * deltas[0][name], atol=1e-6), name
-        assert torch.allclose(deltas[2][name], deltas[1][name], atol=1e-6), name
+    # Adam's first step is lr * g / (|g| + eps): sign(g) only where |g| >> eps. Where g is near eps, the order in
+    # which the skipped and the computed batch sum their gradients decides the step (a CPU-dependent rounding), so
+    # compare the coordinates that took a full step at the full rate.
+    full = {n: deltas[0][n].abs() > 0.99e-3 for n in deltas[0]}
+    assert sum(int(m.sum()) for m in full.values()) > 0.5 * sum(m.numel() for m in full.values())
+    for name, mask in full.items():
+        assert torch.allclose(deltas[1][name][mask], 0.5 * deltas[0][name][mask], atol=1e-6), name
+        assert torch.allclose(deltas[2][name][mask], deltas[1][name][mask], atol=1e-6), name
 
 
 def test_lr_by_weight_keeps_the_full_rate_for_a_batch_with_nothing_to_train(random_model_dir: Path) -> None:
