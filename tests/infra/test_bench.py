@@ -203,6 +203,9 @@ def test_seed_speedups_are_ratios_within_each_seed_of_each_invocation(tmp_path: 
     assert spread["seeds"] == 3
     assert spread["vs_best_baseline"] == {"target": 1.3, "met": 2, "median": 0.75, "min": 0.0, "max": 1.5}
     assert spread["vs_sync"] == {"target": 2.0, "met": 2, "median": 1.25, "min": 0.0, "max": 2.5}
+    at_start = bench.seed_speedups([_result(a, "sync", 0, 0.0), _result(a, "reflow", 0, 0.0),
+                                    _result(b, "sync", 0, 5.0), _result(b, "reflow", 0, 0.0)])["per_seed"]
+    assert [e["vs_sync"] for e in at_start] == [1.0, float("inf")]  # warm start already at the target
     text = bench.seed_table(out)
     assert "a/s0: 8.0 s, 1.50x the best baseline (async), 2.50x sync; final 0.420 (sync 0.400)" in text
     assert "b/s0: 40.0 s, no baseline reached, - sync" in text
