@@ -16,7 +16,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from reflow.infra import bench
+from reflow.infra import bench, bench_limits
 from reflow.infra.config import load_config
 
 
@@ -82,12 +82,14 @@ def bench_flow(config: str | None, overrides: list[str], modes: list[str], seeds
             "run_length": "equal data (run.total_steps batches of new groups)" if equal_data else "equal steps"}
     shares = bench.by_share(results) if "sync" in modes else None
     speedups = bench.seed_speedups(results) if "reflow" in modes and len(modes) > 1 else None
-    bench.write_json(Path(out) / "bench.json", results, summary, meta, shares, speedups)
+    limits = bench_limits.speed_limits(results) if speedups is not None else None
+    bench.write_json(Path(out) / "bench.json", results, summary, meta, shares, speedups, limits)
     bench.plot(results, Path(out) / "bench.png")
     print("\n" + bench.table(summary), flush=True)
     if shares is not None:
         print("\n" + bench.share_table(shares), flush=True)
     if speedups is not None:
         print("\n" + bench.seed_table(speedups), flush=True)
+        print("\n" + bench_limits.limits_table(limits), flush=True)
     print(f"\ntargets: {targets}\nbench.json: {Path(out) / 'bench.json'}\nplot: {Path(out) / 'bench.png'}", flush=True)
     return summary

@@ -470,9 +470,9 @@ def _curve(ax: Any, curve: list[tuple[float, float]], k: int, colour: str, label
 
 
 def write_json(path: Path, results: list[ModeResult], summary: dict, meta: dict,
-               shares: dict | None = None, speedups: dict | None = None) -> Path:
-    """``bench.json``: meta, per-mode summary, every run, ``by_share`` (``time_to_share_of_sync_gain``) and
-    ``seed_speedups`` (``reflow_by_seed``)."""
+               shares: dict | None = None, speedups: dict | None = None, limits: dict | None = None) -> Path:
+    """``bench.json``: meta, per-mode summary, every run, ``by_share`` (``time_to_share_of_sync_gain``),
+    ``seed_speedups`` (``reflow_by_seed``) and ``bench_limits.speed_limits`` (``reflow_limits``)."""
     tmp = path.with_suffix(".json.tmp")
     runs = [{**asdict(r), "new_samples_per_s_to_target": r.new_samples_per_s_to_target} for r in results]
     data = {"meta": meta, "summary": summary, "runs": runs}
@@ -480,6 +480,8 @@ def write_json(path: Path, results: list[ModeResult], summary: dict, meta: dict,
         data["time_to_share_of_sync_gain"] = shares
     if speedups is not None:
         data["reflow_by_seed"] = speedups
+    if limits is not None:
+        data["reflow_limits"] = limits
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
     return path

@@ -337,7 +337,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_report(args: argparse.Namespace) -> int:
-    from reflow.infra import bench
+    from reflow.infra import bench, bench_limits
 
     if args.out and (Path(args.out).is_dir() or not Path(args.out).parent.is_dir()):
         raise InputError(f"--out: {args.out!r} must be a file in an existing directory")
@@ -353,10 +353,11 @@ def _cmd_bench_report(args: argparse.Namespace) -> int:
     if not any(r.mode == "reflow" for r in results):
         raise InputError(f"no reflow rows in {', '.join(args.dirs)}")
     speedups = bench.seed_speedups(results)
-    print(bench.seed_table(speedups), flush=True)
+    limits = bench_limits.speed_limits(results)
+    print(bench.seed_table(speedups) + "\n\n" + bench_limits.limits_table(limits), flush=True)
     if args.out:
         tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
-        tmp.write_text(json.dumps(speedups, indent=2))
+        tmp.write_text(json.dumps({**speedups, "limits": limits}, indent=2))
         tmp.replace(args.out)
     return 0
 

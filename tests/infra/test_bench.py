@@ -231,7 +231,9 @@ def test_bench_json_round_trips_and_bench_report_reads_several(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     assert "a/s0: 8.0 s, 2.50x the best baseline (sync), 2.50x sync" in done.stdout
     assert "b/s0: 16.0 s, 1.25x the best baseline (sync), 1.25x sync" in done.stdout
-    assert json.loads((tmp_path / "r.json").read_text())["spread"]["vs_sync"]["met"] == 1
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["spread"]["vs_sync"]["met"] == 1 and len(report["limits"]["per_seed"]) == 2
+    assert "speedup = data x utilisation x efficiency" in done.stdout
     (tmp_path / "bad.json").write_text("{}")
     for args, message in (([str(tmp_path / "nowhere")], "no bench.json there"),
                           ([str(tmp_path / "bad.json")], "not a bench.json"),
