@@ -321,6 +321,12 @@ def _invocation(result: ModeResult) -> str:
     return parts[-4] if len(parts) >= 4 and parts[-3] == "runs" else str(Path(result.run_dir).parent)
 
 
+def seed_rows(results: list[ModeResult], mode: str) -> list[tuple[str, int, dict[str, ModeResult]]]:
+    """``(invocation, seed, {mode name: result})`` for each seed of each invocation that ran ``mode``."""
+    keys = sorted({(_invocation(r), r.seed) for r in results if r.mode == mode})
+    return [(inv, seed, {r.mode: r for r in results if r.seed == seed and _invocation(r) == inv}) for inv, seed in keys]
+
+
 def seed_speedups(results: list[ModeResult], mode: str = "reflow") -> dict:
     """``mode``'s speedups seed by seed, and how they spread over the seeds.
 
@@ -337,10 +343,8 @@ def seed_speedups(results: list[ModeResult], mode: str = "reflow") -> dict:
     ``min``, ``max`` of the defined ratios, and ``met``, the seeds at or
     over the target, out of ``seeds``.
     """
-    keys = sorted({(_invocation(r), r.seed) for r in results if r.mode == mode})
     seeds: list[dict] = []
-    for invocation, seed in keys:
-        rows = {r.mode: r for r in results if r.seed == seed and _invocation(r) == invocation}
+    for invocation, seed, rows in seed_rows(results, mode):
         mine = rows[mode].time_to_target_s
         reached = {m: rows[m].time_to_target_s for m in BASELINES
                    if m in rows and m != mode and rows[m].time_to_target_s is not None}

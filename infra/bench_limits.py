@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from reflow.infra.bench import BASELINES, SPEEDUP_TARGETS, ModeResult, _invocation
+from reflow.infra.bench import BASELINES, SPEEDUP_TARGETS, ModeResult, seed_rows
 
 
 def decompose(mine: ModeResult, ref: ModeResult) -> dict[str, float] | None:
@@ -58,10 +58,8 @@ def speed_limits(results: list[ModeResult], mode: str = "reflow") -> dict[str, A
     the ceiling to meet it). Baselines that did not reach the target, or runs
     without ``cpu_idle``, give no entry.
     """
-    keys = sorted({(_invocation(r), r.seed) for r in results if r.mode == mode})
     per_seed = []
-    for invocation, seed in keys:
-        rows = {r.mode: r for r in results if r.seed == seed and _invocation(r) == invocation}
+    for invocation, seed, rows in seed_rows(results, mode):
         reached = {m: rows[m] for m in BASELINES if m in rows and m != mode and rows[m].time_to_target_s is not None}
         best = min(reached, key=lambda m: reached[m].time_to_target_s) if reached else None
         entry: dict[str, Any] = {"invocation": invocation, "seed": seed}
