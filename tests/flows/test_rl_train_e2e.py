@@ -139,6 +139,9 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
         assert run["final_accuracy"] == pytest.approx(sum(a for _, a in run["eval_curve"][-3:]) / 3)
     for mode in ("sync", "async", "reflow", "sorted_partial"):
         assert mode in proc.stdout
+    # the speed limits: one entry for the seed, printed after the seed table
+    assert [e["seed"] for e in report["reflow_limits"]["per_seed"]] == [0]
+    assert "reflow's speedup = data x utilisation x efficiency" in proc.stdout
 
     by_mode = {r["mode"]: Path(r["run_dir"]) for r in report["runs"]}
     for mode in ("async", "reflow"):
