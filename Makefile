@@ -10,7 +10,10 @@ ARGS   ?=
 run: $(STAMP)
 	$(BIN)/reflow run --config configs/default.toml $(ARGS)
 
+# The floors' direction of dependency (import-linter contracts in pyproject.toml) and pyflakes first, then the suite.
 test: $(STAMP)
+	$(BIN)/lint-imports
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(ARGS)
 
 install: $(STAMP)

@@ -35,15 +35,12 @@ stream of any seed ever contains an eval prompt.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from reflow.envs.base import BatchScoring, Prompt, Score, Split, check_range
-
-if TYPE_CHECKING:
-    from reflow.infra.config import EnvConfig
+from reflow.config.schema import EnvConfig
+from reflow.envs.base import BatchScoring, Prompt, Score, Split, check_range, stable_hash
 
 ANSWER_MARKER = "#"
 EVAL_BUCKETS = 16  # 1 in 16 possible prompt texts is reserved for eval
@@ -51,13 +48,9 @@ _ANSWER_LINE = re.compile(r"#(-?[0-9]+)")
 _MAX_DRAWS = 10_000  # rejection-sampling guard; expected draws are 16 for eval, ~1.07 for train
 
 
-def _hash_int(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
-
-
 def is_eval_text(text: str) -> bool:
     """Whether a prompt text is reserved for the eval split (seed-independent)."""
-    return _hash_int("arith-eval-partition/" + text) % EVAL_BUCKETS == 0
+    return stable_hash("arith-eval-partition/" + text) % EVAL_BUCKETS == 0
 
 
 class ArithEnv(BatchScoring):
@@ -65,7 +58,7 @@ class ArithEnv(BatchScoring):
 
     name = "arith"
 
-    def __init__(self, cfg: "EnvConfig", seed: int, tokenizer: Any = None) -> None:  # prompts are plain text
+    def __init__(self, cfg: EnvConfig, seed: int, tokenizer: Any = None) -> None:  # prompts are plain text
         self.cfg = cfg
         self.seed = seed
 
@@ -96,7 +89,7 @@ class ArithEnv(BatchScoring):
         return Score(reward=float(self.cfg.format_reward), correct=False)
 
     def _prompt(self, split: Split, index: int) -> Prompt:
-        rng = random.Random(_hash_int(f"arith/{split}/{self.seed}/{index}"))
+        rng = random.Random(stable_hash(f"arith/{split}/{self.seed}/{index}"))
         want_eval = split == "eval"
         for _ in range(_MAX_DRAWS):
             terms = self._draw_terms(rng)

@@ -13,11 +13,11 @@ response after another. ``BatchScoring`` gives every env the plain loop.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from reflow.infra.config import EnvConfig
+from reflow.config.schema import EnvConfig
 
 Split = Literal["train", "eval"]
 SPLITS: tuple[Split, ...] = ("train", "eval")
@@ -78,6 +78,11 @@ class BatchScoring:
         return [self.score(p, t) for p, t in zip(prompts, texts)]  # type: ignore[attr-defined]
 
 
+def stable_hash(text: str) -> int:
+    """A 64-bit hash of ``text`` that is the same in every process and Python version (sha256's first bytes)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
 def check_range(split: str, start: int, count: int) -> None:
     """Raise ValueError with a readable message for a bad ``prompts`` request."""
     if split not in SPLITS:
@@ -107,7 +112,7 @@ def env_class(kind: str) -> type:
     raise ValueError(f"env.kind: unknown workload {kind!r}")
 
 
-def make_env(cfg: "EnvConfig", seed: int, tokenizer: Any = None) -> Env:
+def make_env(cfg: EnvConfig, seed: int, tokenizer: Any = None) -> Env:
     """The workload named by ``cfg.kind``, seeded with ``seed``.
 
     ``tokenizer`` (a Hugging Face tokenizer, optional) lets dataset workloads

@@ -29,20 +29,18 @@ not in the expected format.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import functools
-import hashlib
 import json
 import random
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from reflow.envs.base import BatchScoring, Prompt, Split, check_range
+import pyarrow.parquet as pq
 
-if TYPE_CHECKING:
-    from reflow.infra.config import EnvConfig
+from reflow.config.schema import EnvConfig, dataset_format
+from reflow.envs.base import BatchScoring, Prompt, Split, check_range, stable_hash
 
 EVAL_BUCKETS = 16  # synthetic datasets: 1 in 16 problem texts is reserved for eval
 _HOLDOUT_SCALE = 1_000_000
@@ -73,18 +71,12 @@ class Row:
 RowParser = Callable[[dict[str, Any], str], Row]  # (raw row, "file row N" for messages) -> Row
 
 
-def _hash_int(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
-
-
 def read_rows(path: str, fmt: str) -> list[dict[str, Any]]:
     """All rows of a parquet or jsonl file as dicts. Raises DatasetError for a missing or unreadable file."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"{path}: no such file")
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
         try:
             return pq.read_table(p).to_pylist()
         except Exception as exc:  # pyarrow raises several types for a bad file
@@ -121,8 +113,6 @@ def _parsed_file(path: str, fmt: str, parser: RowParser) -> tuple[Row, ...]:
 
 def load_file(path: str, declared_format: str, parser: RowParser) -> tuple[Row, ...]:
     """Parsed rows of a dataset file (cached per process by path, format and parser)."""
-    from reflow.infra.config import dataset_format
-
     fmt = dataset_format(path, declared_format)
     if fmt is None:
         raise DatasetError(f"{path}: unknown format (use .parquet or .jsonl, or set env.data_format)")
@@ -146,7 +136,7 @@ def prompt_length(text: str, tokenizer: Any = None) -> int:
 
 def holdout_is_eval(row: Row, share: float) -> bool:
     """Whether a file row belongs to the held-out eval split (a hash of its content, seed-independent)."""
-    return _hash_int("reflow-holdout/" + row.key) % _HOLDOUT_SCALE < share * _HOLDOUT_SCALE
+    return stable_hash("reflow-holdout/" + row.key) % _HOLDOUT_SCALE < share * _HOLDOUT_SCALE
 
 
 class RowEnv(BatchScoring, ABC):
@@ -158,7 +148,7 @@ class RowEnv(BatchScoring, ABC):
 
     name = "rows"
 
-    def __init__(self, cfg: "EnvConfig", seed: int, tokenizer: Any = None) -> None:
+    def __init__(self, cfg: EnvConfig, seed: int, tokenizer: Any = None) -> None:
         self.cfg, self.seed, self.tokenizer = cfg, seed, tokenizer
         self._splits: dict[str, list[Row]] | None = None
         if cfg.data_path is not None:
@@ -210,17 +200,17 @@ class RowEnv(BatchScoring, ABC):
         perm = self._perms.get((split, epoch))
         if perm is None:
             perm = list(range(len(rows)))
-            random.Random(_hash_int(f"{self.name}/{split}/{self.seed}/epoch{epoch}")).shuffle(perm)
+            random.Random(stable_hash(f"{self.name}/{split}/{self.seed}/epoch{epoch}")).shuffle(perm)
             self._perms = {k: v for k, v in self._perms.items() if k[0] != split}  # keep one epoch per split
             self._perms[(split, epoch)] = perm
         return rows[perm[position]]
 
     def _synthetic(self, split: Split, index: int) -> Row:
-        rng = random.Random(_hash_int(f"{self.name}-synthetic/{split}/{self.seed}/{index}"))
+        rng = random.Random(stable_hash(f"{self.name}-synthetic/{split}/{self.seed}/{index}"))
         want_eval = split == "eval"
         for _ in range(_MAX_DRAWS):
             row = self.parse_row(self.synthetic_row(rng), f"{self.name} synthetic row")
-            is_eval = _hash_int(f"{self.name}-eval-partition/" + row.key) % EVAL_BUCKETS == 0
+            is_eval = stable_hash(f"{self.name}-eval-partition/" + row.key) % EVAL_BUCKETS == 0
             text = render_messages(row.messages, self.tokenizer)
             if is_eval == want_eval and prompt_length(text, self.tokenizer) <= self.cfg.max_prompt_tokens:
                 return row
@@ -246,7 +236,7 @@ class RowEnv(BatchScoring, ABC):
         return kept
 
 
-def check_dataset(cfg: "EnvConfig", env_class: type[RowEnv]) -> None:
+def check_dataset(cfg: EnvConfig, env_class: type[RowEnv]) -> None:
     """Read and parse the dataset files ``cfg`` names; raises DatasetError. Used before a run starts.
 
     The prompt-length filter is not applied here (it needs the model's tokenizer).

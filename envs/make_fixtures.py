@@ -25,6 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from reflow.envs.code_env import synthetic_code_row
 from reflow.envs.math_env import synthetic_math_row
 
@@ -48,9 +51,6 @@ def _with_starter(row: dict[str, Any]) -> dict[str, Any]:
 
 def write_fixtures(out_dir: Path = FIXTURES) -> list[Path]:
     """Write the four fixture files into ``out_dir``; returns their paths."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(SEED)
     math_rows = [synthetic_math_row(rng, 20) for _ in range(ROWS)]

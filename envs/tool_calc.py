@@ -28,14 +28,12 @@ almost always wrong). So the warm-started policy calls the tool only about
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from reflow.envs.arith import ANSWER_MARKER, _hash_int, is_eval_text
-from reflow.envs.base import BatchScoring, Prompt, Score, Split, check_range
+from reflow.config.schema import EnvConfig
+from reflow.envs.arith import ANSWER_MARKER, is_eval_text
+from reflow.envs.base import BatchScoring, Prompt, Score, Split, check_range, stable_hash
 from reflow.envs.tools import CODE_CLOSE, CODE_OPEN, format_output
-
-if TYPE_CHECKING:
-    from reflow.infra.config import EnvConfig
 
 MIN_OPERAND = 100
 DIRECT_SHARE = 0.25  # share of reference solutions that guess without the tool
@@ -54,7 +52,7 @@ class ToolCalcEnv(BatchScoring):
 
     name = "tool_calc"
 
-    def __init__(self, cfg: "EnvConfig", seed: int, tokenizer: Any = None) -> None:  # prompts are plain text
+    def __init__(self, cfg: EnvConfig, seed: int, tokenizer: Any = None) -> None:  # prompts are plain text
         if cfg.max_operand < MIN_OPERAND:
             raise ValueError(f"env.kind='tool_calc' needs env.max_operand >= {MIN_OPERAND}, got {cfg.max_operand}")
         self.cfg = cfg
@@ -68,7 +66,7 @@ class ToolCalcEnv(BatchScoring):
     def reference_solution(self, prompt: Prompt) -> str:
         """Code block, its output, answer line; or a direct guess for ``DIRECT_SHARE`` of prompts."""
         expr = prompt.text.removesuffix("=")
-        if _hash_int("tool-calc-direct/" + prompt.text) % 1000 < DIRECT_SHARE * 1000:
+        if stable_hash("tool-calc-direct/" + prompt.text) % 1000 < DIRECT_SHARE * 1000:
             return f"{ANSWER_MARKER}{_rounded(int(prompt.answer))}"
         output = format_output(prompt.answer, TOOL_OUTPUT_CHARS)
         return f"{CODE_OPEN}print({expr}){CODE_CLOSE}{output}{ANSWER_MARKER}{prompt.answer}"
@@ -83,7 +81,7 @@ class ToolCalcEnv(BatchScoring):
         return Score(reward=float(self.cfg.format_reward), correct=False)
 
     def _prompt(self, split: Split, index: int) -> Prompt:
-        rng = random.Random(_hash_int(f"tool_calc/{split}/{self.seed}/{index}"))
+        rng = random.Random(stable_hash(f"tool_calc/{split}/{self.seed}/{index}"))
         for _ in range(_MAX_DRAWS):
             a, b = rng.randint(MIN_OPERAND, self.cfg.max_operand), rng.randint(MIN_OPERAND, self.cfg.max_operand)
             text = f"{a}*{b}="

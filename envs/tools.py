@@ -11,11 +11,13 @@ its output is appended to the response, then generation continues::
 The appended text is ``format_output(...)``: a newline, ``<output>``, the
 program's stdout (on failure: its status and the last line of stderr), cut to
 ``max_chars`` characters, ``</output>`` and a newline. The control code that
-drives the turns is ``infra.multiturn``; this module is pure text plus the
+drives the turns is ``policies.multiturn``; this module is pure text plus the
 sandbox call, so it runs anywhere (a Ray task, a test).
 """
 
 from __future__ import annotations
+
+from reflow.envs.sandbox import SandboxLimits, run_program
 
 CODE_OPEN = "<code>"
 CODE_CLOSE = "</code>"  # the stop string of a tool-using request
@@ -62,8 +64,6 @@ def run_tool_call(transcript: str, timeout_s: float, max_chars: int) -> str:
     A missing block, a crash or a timeout is reported in the output (the
     policy sees it), never raised.
     """
-    from reflow.envs.sandbox import SandboxLimits, run_program
-
     code = extract_code(transcript)
     if code is None:
         return format_output("error: no <code> block to run", max_chars)

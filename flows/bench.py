@@ -2,7 +2,7 @@
 
 Each mode runs as its own ``reflow run`` process (a fresh Ray, engine and
 trainer, nothing warm carried from the previous mode) with
-``eval.deferred`` on; ``infra.bench`` turns the run directories into
+``eval.deferred`` on; ``bench.mode_bench`` turns the run directories into
 ``bench.json``, the table and the accuracy-vs-time PNG.
 """
 
@@ -16,9 +16,8 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from reflow.infra import bench, bench_limits
-from reflow.infra.config import load_config
-
+from reflow.bench import decompose, mode_bench
+from reflow.config.load import load_config
 
 # Bench rows that are a mode plus a rollout scheduling (SortedRL rows run in sync mode).
 ROWS: dict[str, tuple[str, str]] = {
@@ -33,19 +32,19 @@ def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, o
     """Run one mode to completion in a child ``reflow run``; returns its run directory.
 
     ``equal_data``: the run ends after ``run.total_steps`` batches' worth of
-    new groups, however many steps that takes (``bench.equal_data``).
+    new groups, however many steps that takes (``mode_bench.equal_data``).
     """
     runs = Path(out) / "runs" / f"{mode}-s{seed}"
     if runs.exists() and any(runs.iterdir()):
         raise RuntimeError(f"{runs} is not empty; choose a new --out")
-    cmd = [sys.executable, "-m", "reflow.infra.cli", "run", "--out", str(runs)]
+    cmd = [sys.executable, "-m", "reflow.cli.main", "run", "--out", str(runs)]
     if config:
         cmd += ["--config", config]
     kind, scheduling = ROWS[mode]
     rows = [f"mode.kind={json.dumps(kind)}", f"rollout.scheduling={json.dumps(scheduling)}"]
     if equal_data:
         cfg = load_config(config, [*overrides, *rows])
-        rows += bench.equal_data(cfg.run.total_steps, cfg.rollout.prompts_per_step, cfg.fresh_groups_per_step())
+        rows += mode_bench.equal_data(cfg.run.total_steps, cfg.rollout.prompts_per_step, cfg.fresh_groups_per_step())
     for item in [*overrides, *rows, f"run.seed={seed}", "eval.deferred=true",
                  f"run.name={json.dumps(f'bench-{mode}-s{seed}')}"]:
         cmd += ["--set", item]
@@ -64,32 +63,32 @@ def bench_flow(config: str | None, overrides: list[str], modes: list[str], seeds
                target: float | None, smooth_evals: int = 3, equal_data: bool = True) -> dict:
     """All modes x seeds; writes ``out/bench.json`` and ``out/bench.png``; returns the summary."""
     Path(out).mkdir(parents=True, exist_ok=True)
-    results: list[bench.ModeResult] = []
+    results: list[mode_bench.ModeResult] = []
     for seed in seeds:
         for mode in modes:
-            results.append(bench.summarise(mode, seed, bench_mode(config, overrides, mode, seed, out, equal_data), None,
+            results.append(mode_bench.summarise(mode, seed, bench_mode(config, overrides, mode, seed, out, equal_data), None,
                                            smooth_evals))
     targets: dict[int, float] = {}
     for seed in seeds:
         sync = next((r for r in results if r.seed == seed and r.mode == "sync"), None)
         targets[seed] = target if target is not None else (
-            bench.default_target(sync) if sync else max(r.baseline_accuracy for r in results if r.seed == seed) + 0.1)
-    results = [bench.with_target(r, targets[r.seed]) for r in results]
-    summary = bench.aggregate(results)
+            mode_bench.default_target(sync) if sync else max(r.baseline_accuracy for r in results if r.seed == seed) + 0.1)
+    results = [mode_bench.with_target(r, targets[r.seed]) for r in results]
+    summary = mode_bench.aggregate(results)
     meta = {"config": config, "overrides": overrides, "modes": modes, "seeds": seeds, "targets": targets,
             "target_rule": "given" if target is not None else "warm-start + 75% of sync's gain (per seed)",
             "smooth_evals": smooth_evals,
             "run_length": "equal data (run.total_steps batches of new groups)" if equal_data else "equal steps"}
-    shares = bench.by_share(results) if "sync" in modes else None
-    speedups = bench.seed_speedups(results) if "reflow" in modes and len(modes) > 1 else None
-    limits = bench_limits.speed_limits(results) if speedups is not None else None
-    bench.write_json(Path(out) / "bench.json", results, summary, meta, shares, speedups, limits)
-    bench.plot(results, Path(out) / "bench.png")
-    print("\n" + bench.table(summary), flush=True)
+    shares = mode_bench.by_share(results) if "sync" in modes else None
+    speedups = mode_bench.seed_speedups(results) if "reflow" in modes and len(modes) > 1 else None
+    limits = decompose.speed_limits(results) if speedups is not None else None
+    mode_bench.write_json(Path(out) / "bench.json", results, summary, meta, shares, speedups, limits)
+    mode_bench.plot(results, Path(out) / "bench.png")
+    print("\n" + mode_bench.table(summary), flush=True)
     if shares is not None:
-        print("\n" + bench.share_table(shares), flush=True)
+        print("\n" + mode_bench.share_table(shares), flush=True)
     if speedups is not None:
-        print("\n" + bench.seed_table(speedups), flush=True)
-        print("\n" + bench_limits.limits_table(limits), flush=True)
+        print("\n" + mode_bench.seed_table(speedups), flush=True)
+        print("\n" + decompose.limits_table(limits), flush=True)
     print(f"\ntargets: {targets}\nbench.json: {Path(out) / 'bench.json'}\nplot: {Path(out) / 'bench.png'}", flush=True)
     return summary

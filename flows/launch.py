@@ -16,7 +16,12 @@ from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from reflow.infra.config import ReflowConfig, config_to_json, load_config
+from reflow.config.load import config_to_json, load_config
+from reflow.config.schema import ReflowConfig
+from reflow.flows.rl_train import rl_train
+from reflow.infra.run import load_config_of, new_run_id
+from reflow.tasks.lifecycle import prepare_eval, teardown
+from reflow.tasks.rollout import evaluate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -67,9 +72,6 @@ def resolve(experiment: str, settings: BaseModel | dict[str, Any]) -> ReflowConf
 @flow(name="train", log_prints=True)
 def train(experiment: ExperimentFile = ExperimentFile("smoke"), settings: Settings = Settings()) -> dict[str, Any]:
     """Train a policy: the chosen experiment file, with any field of ``settings`` that is filled in."""
-    from reflow.flows.rl_train import rl_train
-    from reflow.infra.run import new_run_id
-
     cfg = resolve(experiment, settings)
     run_id = new_run_id(cfg)
     run_dir = str((Path(cfg.run.out_dir) / run_id).resolve())
@@ -84,18 +86,14 @@ def train(experiment: ExperimentFile = ExperimentFile("smoke"), settings: Settin
 @flow(name="evaluate", log_prints=True)
 def evaluate_run(run_dir: str) -> dict[str, float]:
     """Held-out accuracy of a finished run's final model (``<run_dir>/final_model``), on fresh workers."""
-    from reflow.infra.run import load_config_of
-    from reflow.tasks.lifecycle import prepare_eval, teardown
-    from reflow.tasks.rollout import evaluate
-
     run_dir = str(Path(run_dir).resolve())
     failed = True
     try:
         prepare_eval(run_dir)
         result = evaluate(run_dir, step=load_config_of(run_dir).run.total_steps)
-        print(f"{run_dir}: held-out accuracy {result.accuracy:.3f}")
+        print(f"{run_dir}: held-out accuracy {result.eval_accuracy:.3f}")
         failed = False
-        return {"accuracy": result.accuracy, "reward_mean": result.reward_mean,
-                "response_length_mean": result.length_mean}
+        return {"accuracy": result.eval_accuracy, "reward_mean": result.eval_reward_mean,
+                "response_length_mean": result.eval_response_length_mean}
     finally:
         teardown(run_dir, failed)

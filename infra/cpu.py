@@ -2,7 +2,7 @@
 
 The per-role idle fractions (``trainer_idle_fraction``,
 ``generator_idle_fraction``) say when a role waited; with elastic engines
-(README "Elastic engines") a waiting trainer's core generates, so a role's
+(docs/concepts.md "Elastic engines") a waiting trainer's core generates, so a role's
 idle time is not the device's. ``machine_cpu_idle_fraction`` is the
 device's: the share of all cores' time, between two step records, that the
 kernel spent idle (``idle`` + ``iowait`` over ``user`` + ``nice`` +

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from reflow.infra.config import ReflowConfig, config_to_json
+from reflow.config.load import config_to_json
+from reflow.config.schema import ReflowConfig
+from reflow.storage.metrics import StepRecord
 
 
 class RunRecord(BaseModel):
@@ -32,17 +34,6 @@ class RunRecord(BaseModel):
     trainer: str
     tracking_uri: str
     mlflow_run_id: str | None = None
-
-
-class StepRecord(BaseModel):
-    """One step's figures, as logged to MLflow and ``steps.jsonl``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    step: int
-    policy_version: int
-    elapsed_s: float
-    metrics: dict[str, float]
 
 
 def new_run_id(cfg: ReflowConfig) -> str:

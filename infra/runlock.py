@@ -140,3 +140,13 @@ def live_writers(run_dir: str | Path | None, store_root: str | None) -> list[Wri
             candidates.extend(sorted(writers.glob("*.lock")))
     infos = [read_lock(p) for p in candidates]
     return [i for i in infos if i is not None and is_live(i)]
+
+
+class LiveWriterError(RuntimeError):
+    """A run is writing to the tables; maintenance refuses to vacuum under it."""
+
+
+def describe_writers(writers: list[WriterInfo]) -> str:
+    """One line per live writer: run, pid, host, last heartbeat, lock file."""
+    return "\n".join(f"  run {w.run_id} (pid {w.pid} on {w.host}, heartbeat {w.heartbeat_at}) holds {w.path}"
+                     for w in writers)

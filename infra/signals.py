@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM stop a command the same way: a KeyboardInterrupt, and a flag that says it happened.
 
 The flag lives here, in one module, because the CLI runs as ``python -m
-reflow.infra.cli``: its ``__main__`` and a later ``import reflow.infra.cli``
+reflow.cli.main``: its ``__main__`` and a later ``import reflow.cli.main``
 (``start_ray`` re-installs the handlers) would otherwise be two modules with
 two flags, and the handler that fires would set the one ``main`` never reads.
 """

@@ -5,22 +5,24 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
-from reflow.policies.grpo import group_advantages
+from reflow.policies.losses import get_advantage_estimator
 from reflow.policies.trainer import TrainSample
 
 
-def train_samples_from_table(table: pa.Table, loss_weights: dict[str, float]) -> list[TrainSample]:
+def train_samples_from_table(table: pa.Table, loss_weights: dict[str, float],
+                             advantage_estimator: str = "grpo") -> list[TrainSample]:
     """Rows of the trajectories table to ``TrainSample``s.
 
-    Advantages are group-normalised over the rows of each ``group_id`` present
-    in ``table`` (callers keep groups whole). ``loss_weights`` maps trajectory id
+    Advantages come from the estimator registered as ``advantage_estimator``
+    (``policies.losses``), over the rows of each ``group_id`` present in
+    ``table`` (callers keep groups whole). ``loss_weights`` maps trajectory id
     to its weight; missing ids get 1.0.
     """
     cols = table.to_pydict()
     groups = {g: i for i, g in enumerate(dict.fromkeys(cols["group_id"]))}
     rewards = torch.tensor(cols["reward"], dtype=torch.float64)
     index = torch.tensor([groups[g] for g in cols["group_id"]], dtype=torch.long)
-    adv = group_advantages(rewards, index).tolist() if len(rewards) else []
+    adv = get_advantage_estimator(advantage_estimator)(rewards, index).tolist() if len(rewards) else []
     return [
         TrainSample(prompt_tokens=list(cols["prompt_tokens"][i]), response_tokens=list(cols["response_tokens"][i]),
                     behaviour_logprobs=list(cols["behaviour_logprobs"][i]), loss_mask=list(cols["loss_mask"][i]),

@@ -4,12 +4,16 @@
 collect finished samples, abort, and swap weights in place. Two real
 implementations:
 
-* ``VLLMEngine`` - vLLM's ``LLMEngine`` driven step by step in this process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so it can live inside a Ray actor and
-  take new weights straight from memory (``reload_weights``, no disk).
+* ``VLLMEngine`` (``policies.vllm_engine``) - vLLM's ``LLMEngine`` driven step
+  by step in this process, so it can live inside a Ray actor and take new
+  weights straight from memory (``reload_weights``, no disk).
 * ``TransformersEngine`` (``policies.hf_engine``) - plain ``transformers``
   ``generate`` with sampling; it serves where vLLM is not installed (e.g. a
   CUDA machine without vLLM).
+
+The engine actor (``infra.actors``) picks one by ``rollout.engine``. The
+records that cross the actor's process boundary (``GenRequest``,
+``GenResult``, ``GenBatch``, ``Drain``) live in ``storage.schema``.
 
 Alignment rule of every ``GenResult``: ``logprobs`` and ``token_versions``
 have one entry per ``response_tokens`` entry: the log-probability of that
@@ -21,75 +25,16 @@ can span versions; ``version`` is its oldest token's (what staleness counts).
 
 from __future__ import annotations
 
-import os
-import time
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
 import torch
 
-
-@dataclass(frozen=True)
-class GenRequest:
-    """One sample to generate: a prompt and a token budget.
-
-    A resumed request (a partial rollout from an earlier round) carries what
-    was generated so far in ``resume_*`` (aligned, one entry per token); the
-    engine continues after them and its result includes them unchanged, so
-    every token keeps the log-prob and version it was sampled with.
-    ``max_tokens`` counts the resumed tokens too. ``stop``: strings that end
-    the sample (finish reason ``stop``) right after the token that completes
-    one, which is kept (the multi-turn tool driver stops on ``</code>``).
-    """
-
-    request_id: str
-    prompt_tokens: list[int]
-    max_tokens: int
-    resume_tokens: list[int] = field(default_factory=list)
-    resume_logprobs: list[float] = field(default_factory=list)
-    resume_versions: list[int] = field(default_factory=list)
-    submitted_version: int | None = None  # version when first submitted (None: now)
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not len(self.resume_tokens) == len(self.resume_logprobs) == len(self.resume_versions):
-            raise ValueError(f"request {self.request_id}: resume_* lists differ in length")
-        if len(self.resume_tokens) >= self.max_tokens:
-            raise ValueError(f"request {self.request_id}: {len(self.resume_tokens)} resumed tokens leave no "
-                             f"budget of max_tokens={self.max_tokens}")
-
-
-@dataclass(frozen=True)
-class GenResult:
-    """A finished (or aborted) sample; one log-prob and one policy version per response token.
-
-    ``loss_mask`` (one entry per token when set) is 1 for tokens the policy
-    sampled and 0 for tokens inserted by a tool; None means every token is the
-    policy's (a single-turn engine never inserts any).
-    """
-
-    request_id: str
-    response_tokens: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
-    token_versions: list[int]
-    submitted_version: int  # engine version when the request was submitted
-    loss_mask: list[int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.loss_mask is not None and len(self.loss_mask) != len(self.response_tokens):
-            raise ValueError(f"result {self.request_id}: loss_mask has {len(self.loss_mask)} entries for "
-                             f"{len(self.response_tokens)} tokens")
-
-    def mask(self) -> list[int]:
-        """The loss mask with one entry per response token (all 1 when unset)."""
-        return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_tokens)
-
-    @property
-    def version(self) -> int:
-        """The oldest token's policy version (the submit version for an empty response)."""
-        return min(self.token_versions, default=self.submitted_version)
+from reflow.config.schema import ReflowConfig
+from reflow.policies.models import load_tokenizer
+from reflow.storage.schema import GenBatch, GenRequest, GenResult
 
 
 class Engine(Protocol):
@@ -110,16 +55,6 @@ class Engine(Protocol):
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None: ...
 
 
-@dataclass(frozen=True)
-class GenBatch:
-    """The results of one ``generate_all`` call and how long the engine spent on it."""
-
-    results: list[GenResult]
-    seconds: float
-    busy_slot_seconds: float = 0.0  # sum over engine steps of (sequences decoding x step time)
-    slots: int = 0  # sequences the engine could have decoded at once in this call
-
-
 def merge_batches(parts: Sequence[GenBatch]) -> GenBatch:
     """One round generated by several engines at once: all results, the longest part's wall time.
 
@@ -128,17 +63,6 @@ def merge_batches(parts: Sequence[GenBatch]) -> GenBatch:
     """
     return GenBatch(results=[r for b in parts for r in b.results], seconds=max(b.seconds for b in parts),
                     busy_slot_seconds=sum(b.busy_slot_seconds for b in parts), slots=sum(b.slots for b in parts))
-
-
-@dataclass(frozen=True)
-class Drain:
-    """What finished during one drain window of a streaming engine."""
-
-    results: list[GenResult]
-    seconds: float  # engine time spent stepping
-    in_flight: int  # requests still running
-    busy_slot_seconds: float = 0.0  # sum over engine steps of (sequences decoding x step time)
-    incarnation: str = ""  # which start of the engine actor answered (a restarted actor lost its requests)
 
 
 def generate_all(engine: Engine, requests: Sequence[GenRequest]) -> list[GenResult]:
@@ -169,230 +93,19 @@ class EngineSettings:
     warm_up: bool = False  # vLLM: generate once on dummy prompts as the engine actor starts (``VLLMEngine.warm_up``)
 
 
-class _Progress:
-    """A running request: what it asked for and what it has produced, each token with its log-prob and version."""
-
-    __slots__ = ("request", "submitted_version", "tokens", "logprobs", "versions", "engine_id")
-
-    def __init__(self, request: GenRequest, submitted_version: int) -> None:
-        self.request = request
-        self.submitted_version = submitted_version if request.submitted_version is None else request.submitted_version
-        self.tokens: list[int] = list(request.resume_tokens)
-        self.logprobs: list[float] = list(request.resume_logprobs)
-        self.versions: list[int] = list(request.resume_versions)
-        self.engine_id = request.request_id  # the id inside vLLM (changes when the request is resumed)
-
-    def add(self, tokens: list[int], logprobs: list[float], version: int) -> None:
-        if len(tokens) != len(logprobs):
-            raise RuntimeError(f"engine returned {len(tokens)} tokens but {len(logprobs)} log-probs")
-        self.tokens.extend(tokens)
-        self.logprobs.extend(logprobs)
-        self.versions.extend([version] * len(tokens))
-
-    def result(self, reason: str) -> GenResult:
-        return GenResult(self.request.request_id, self.tokens, self.logprobs, reason, self.versions,
-                         self.submitted_version)
-
-
-def _use_torch_linear_on_cpu() -> None:
-    """Make vLLM's CPU backend run linear layers with ``torch.nn.functional.linear`` (its fallback path).
-
-    vLLM 0.32 uses oneDNN when ``vllm._custom_ops._supports_onednn`` is set as
-    the weights load: kernels per token count, 32 kept per layer, so a
-    streaming round keeps building them (README "Memory on this machine").
-    """
-    import vllm._custom_ops as ops
-
-    if hasattr(ops, "_supports_onednn"):
-        ops._supports_onednn = False
-
-
-class VLLMEngine:
-    """vLLM's ``LLMEngine`` stepped in-process."""
-
-    def __init__(self, settings: EngineSettings, version: int = 0) -> None:
-        # Must be set before vLLM is imported: KV cache size on CPU, and keep the
-        # engine core in this process so weights can be swapped from memory.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import LLM, SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        if settings.cpu_linear == "torch":
-            _use_torch_linear_on_cpu()
-
-        self.settings = settings
-        self.version = version
-        self._llm = LLM(model=settings.model_dir, dtype=settings.dtype, seed=settings.seed,
-                        max_model_len=settings.max_model_len,
-                        max_num_seqs=settings.max_concurrent_sequences,
-                        enforce_eager=settings.enforce_eager, enable_prefix_caching=True,
-                        disable_log_stats=True)
-        self._engine = self._llm.llm_engine
-        # Stop strings need detokenized text; without them vLLM skips detokenizing (faster). Every request gets
-        # its own params object, so vLLM may skip deep-copying it (skip_clone): that copy was over a third of
-        # add_request's time, which an oversubscribed round pays for every request it starts.
-        self._make_params = lambda max_tokens, stop: SamplingParams(
-            temperature=settings.temperature, max_tokens=max_tokens, logprobs=0, n=1,
-            stop_token_ids=[settings.eos_token_id], stop=list(stop) or None, include_stop_str_in_output=True,
-            detokenize=bool(stop), skip_special_tokens=False, output_kind=RequestOutputKind.DELTA, skip_clone=True)
-        self._pending: dict[str, _Progress] = {}  # by request id
-        self._by_engine_id: dict[str, _Progress] = {}  # by the id vLLM knows
-        self._resumes = 0
-        self.resumed_prefix_tokens = 0  # prompt + partial tokens prefilled again after weight updates
-
-    def submit(self, requests: Sequence[GenRequest]) -> None:
-        for req in requests:
-            if req.request_id in self._pending:
-                raise ValueError(f"request id {req.request_id!r} is already running")
-            progress = _Progress(req, self.version)
-            self._pending[req.request_id] = progress
-            self._add(progress)
-
-    def _add(self, progress: _Progress) -> None:
-        """Hand vLLM the prompt plus what was generated so far, for the tokens still allowed."""
-        from vllm.inputs import TokensPrompt
-
-        req = progress.request
-        self._by_engine_id[progress.engine_id] = progress
-        self._engine.add_request(progress.engine_id,
-                                 TokensPrompt(prompt_token_ids=list(req.prompt_tokens) + progress.tokens),
-                                 self._make_params(req.max_tokens - len(progress.tokens), req.stop))
-
-    def collect(self, max_steps: int = 1) -> list[GenResult]:
-        """Up to ``max_steps`` engine steps; the requests that finished in them.
-
-        Outputs are deltas (new tokens of each running request per step), so
-        every token is stamped with the version that sampled it.
-        """
-        done: list[GenResult] = []
-        for _ in range(max_steps):
-            if not self._engine.has_unfinished_requests():
-                break
-            for out in self._engine.step():
-                progress = self._by_engine_id.get(out.request_id)
-                if progress is None:
-                    continue
-                comp = out.outputs[0]
-                tokens = list(comp.token_ids)
-                progress.add(tokens, [entry[tok].logprob for entry, tok in zip(comp.logprobs or [], tokens)],
-                             self.version)
-                if out.finished:
-                    del self._by_engine_id[out.request_id]
-                    del self._pending[progress.request.request_id]
-                    reason = comp.finish_reason if comp.finish_reason in ("stop", "length") else "abort"
-                    done.append(progress.result(reason))
-        return done
-
-    def snapshot(self, request_ids: Sequence[str]) -> list[GenResult]:
-        """What the named running requests have generated so far (finish reason ``abort``); they keep running.
-
-        Copies: the requests go on appending to their own lists.
-        """
-        out = []
-        for p in (self._pending[r] for r in request_ids if r in self._pending):
-            out.append(GenResult(p.request.request_id, list(p.tokens), list(p.logprobs), "abort", list(p.versions),
-                                 p.submitted_version))
-        return out
-
-    def abort(self, request_ids: Sequence[str]) -> list[GenResult]:
-        """Stop the named requests; returns what each had generated (finish reason ``abort``)."""
-        progress = [self._pending.pop(r) for r in request_ids if r in self._pending]
-        if progress:
-            self._engine.abort_request([p.engine_id for p in progress])
-            for p in progress:
-                self._by_engine_id.pop(p.engine_id, None)
-        return [p.result("abort") for p in progress]
-
-    def num_unfinished(self) -> int:
-        return len(self._pending)
-
-    def pending_ids(self) -> list[str]:
-        return list(self._pending)
-
-    def tokens_in_flight(self) -> int:
-        """Tokens the unfinished requests have generated so far (resumed ones included)."""
-        return sum(len(p.tokens) for p in self._pending.values())
-
-    def warm_up(self) -> float:
-        """Generate once on dummy prompts before any real request; returns the seconds it took.
-
-        ``max_concurrent_sequences`` requests (prompts of 8 to 39 tokens,
-        budgets of 8 to 64), so the engine steps through most batch sizes it
-        will meet; then the prefix cache is reset. The warm-up draws from
-        vLLM's generator, so later samples differ from a run without it.
-        """
-        start = time.perf_counter()
-        vocab = max(4, self._llm.llm_engine.model_config.get_vocab_size())
-        generate_all(self, [GenRequest(f"warm-up-{i}", [3 + (7 * i + j) % (vocab - 3) for j in range(8 + i % 32)],
-                                       max_tokens=8 + 8 * (i % 8))
-                            for i in range(self.settings.max_concurrent_sequences)])
-        self._llm.reset_prefix_cache()
-        return time.perf_counter() - start
-
-    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Load ``state`` (Hugging Face names) into the running model, in place.
-
-        Requests in flight are interrupted and resumed from where they
-        stopped (prompt + tokens so far as the new prompt), as AReaL's
-        interruptible generation does: their KV cache was computed with the
-        old weights, so continuing on it would sample the next tokens from
-        neither policy. The re-prefill makes every later token's log-prob
-        exactly the new policy's; ``resumed_prefix_tokens`` counts what it
-        prefills again.
-
-        With ``settings.keep_kv_on_update`` (``rollout.kv_on_update =
-        "keep"``) the weights change under the running requests instead, as
-        PipelineRL's in-flight updates do: no abort, no re-prefill. Their
-        later tokens are sampled by the new weights over keys and values the
-        old ones computed; the log-prob stored with each is that of the
-        distribution it was drawn from, so the trainer's importance ratio
-        against it stays exact. The prefix cache is kept too (vLLM can only
-        reset it with no request running).
-        """
-        if self.settings.keep_kv_on_update:
-            self._reload(state)
-            self.version = version
-            return
-        running = list(self._pending.values())
-        if running:
-            self._engine.abort_request([p.engine_id for p in running])
-            self._by_engine_id.clear()
-        self._reload(state)
-        self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
-        self.version = version
-        self._resumes += 1
-        for p in running:  # a running request is below its budget (vLLM finishes it on reaching it)
-            p.engine_id = f"{p.request.request_id}#r{self._resumes}"
-            self._add(p)
-            self.resumed_prefix_tokens += len(p.request.prompt_tokens) + len(p.tokens)
-
-    def _reload(self, state: dict[str, torch.Tensor]) -> None:
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items()),
-                                                           "is_checkpoint_format": True})
-
-
-def make_engine(kind: str, settings: EngineSettings, version: int = 0) -> Engine:
-    """Engine by config ``rollout.engine``; vLLM errors name the missing package."""
-    if kind == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as exc:
-            raise RuntimeError("rollout.engine='vllm' but vLLM is not installed; install the 'cpu' or "
-                               "'gpu' extra, or set rollout.engine='transformers'") from exc
-        return VLLMEngine(settings, version)
-    if kind == "transformers":
-        from reflow.policies.hf_engine import TransformersEngine
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return TransformersEngine(settings, version, device=device)
-    raise ValueError(f"unknown rollout.engine {kind!r}")
-
-
 def model_max_len(model_dir: str | Path) -> int:
     """``max_position_embeddings`` of a Hugging Face model directory."""
-    import json
-
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     return int(cfg.get("max_position_embeddings", 2048))
+
+
+def engine_settings(cfg: ReflowConfig, model_dir: str) -> EngineSettings:
+    """The settings of the run's engines, from its config and the model in ``model_dir``."""
+    tokenizer = load_tokenizer(model_dir)
+    r = cfg.rollout
+    return EngineSettings(model_dir=model_dir, dtype=cfg.model.dtype, temperature=r.temperature,
+                          eos_token_id=int(tokenizer.eos_token_id), max_model_len=model_max_len(model_dir),
+                          max_concurrent_sequences=r.max_concurrent_sequences, seed=cfg.run.seed,
+                          kv_cache_gib=r.kv_cache_gib, enforce_eager=r.enforce_eager,
+                          threads=cfg.resources.torch_threads, keep_kv_on_update=r.kv_on_update == "keep",
+                          cpu_linear=r.cpu_linear, warm_up=r.warm_up)

@@ -10,16 +10,16 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from reflow.policies.engines import EngineSettings, GenRequest, GenResult
+from reflow.policies.engines import EngineSettings
+from reflow.storage.schema import GenRequest, GenResult
 
 
 class TransformersEngine:
     """Batched sampling with ``transformers``; for machines without vLLM."""
 
     def __init__(self, settings: EngineSettings, version: int = 0, device: str = "cpu") -> None:
-        from transformers import AutoModelForCausalLM
-
         self.settings = settings
         self.version = version
         self.device = torch.device(device)
@@ -103,8 +103,6 @@ class TransformersEngine:
 
     def _tokenizer(self) -> Any:
         if self._tok is None:
-            from transformers import AutoTokenizer
-
             self._tok = AutoTokenizer.from_pretrained(self.settings.model_dir)
         return self._tok
 

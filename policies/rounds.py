@@ -1,39 +1,20 @@
 """Driving an engine through a length-aware round (``run_round``) and measuring its slot time (``SlotMeter``).
 
-Runs where the engine lives (inside the engine actor); ``infra.scheduler``
+Runs where the engine lives (inside the engine actor); ``control.sorted_rounds``
 plans the rounds and reads their ``RoundRun``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from reflow.policies.engines import Engine, GenRequest, GenResult
-
-
-@dataclass(frozen=True)
-class RoundRun:
-    """One length-aware round as the engine ran it (``run_round``).
-
-    ``seconds`` is the engine's own clock from receiving the round to having
-    aborted what was still running (the span a plain round's
-    ``GenBatch.seconds`` covers), so the bubble of both kinds of round is
-    measured over the same thing.
-    """
-
-    finished: list[GenResult]
-    aborted: list[GenResult]  # running when the round ended: tokens so far, finish reason ``abort``
-    started: int  # requests taken from the front of the round's queue (the rest never reached the engine)
-    seconds: float
-    busy_slot_seconds: float  # sum over engine steps of (sequences decoding x step time)
-    steps: int  # engine steps taken
-    continued: tuple[str, ...] = ()  # queued requests found still running in the engine (parked by the last round)
+from reflow.policies.engines import Engine
+from reflow.storage.schema import GenRequest, GenResult, RoundRun
 
 
 class StopRule(Protocol):
-    """When a round may end; told about every finished sample as it finishes (``infra.scheduler.RoundGoal``)."""
+    """When a round may end; told about every finished sample as it finishes (``control.sorted_rounds.RoundGoal``)."""
 
     def observe(self, result: GenResult) -> None: ...
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
+from reflow.config.schema import EnvConfig, ModelConfig, TinyModelConfig
 from reflow.envs.base import Env, make_env
 from reflow.envs.tools import output_spans
-from reflow.infra.config import EnvConfig, ModelConfig, TinyModelConfig
 from reflow.policies.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer, save_tokenizer
 
 CODE_VERSION = "tiny-v3"  # bump when the build or warm start changes, to invalidate caches

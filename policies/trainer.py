@@ -16,9 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
-from reflow.infra.config import TrainConfig
-from reflow.policies import grpo, offpolicy
+from reflow.config.schema import TrainConfig
+from reflow.policies import grpo
+from reflow.policies.losses import get_policy_loss
+from reflow.storage.metrics import TrainStep
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
@@ -34,25 +37,6 @@ class TrainSample:
     loss_mask: list[int]
     advantage: float
     loss_weight: float
-
-
-@dataclass(frozen=True)
-class StepMetrics:
-    """What one optimiser step reports."""
-
-    version: int  # weights version after the step
-    loss: float
-    kl: float
-    entropy: float
-    grad_norm: float
-    clip_fraction: float
-    ratio_mean: float
-    trained_tokens: int  # loss tokens that went through forward and backward
-    micro_batches: int
-    seconds: float
-    skipped_samples: int = 0  # samples left out because their gradient is exactly zero (``Trainer.skippable``)
-    skipped_tokens: int = 0  # their loss tokens (still counted in the token_mean normaliser)
-    learning_rate: float = 0.0  # the step's learning rate (``TrainConfig.lr_by_weight`` scales it)
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -98,10 +82,9 @@ class Trainer:
 
     def __init__(self, model_dir: str, cfg: TrainConfig, seed: int, device: str = "cpu",
                  dtype: str = "float32", version: int = 0) -> None:
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(seed)
         self.cfg = cfg
+        self.policy_loss = get_policy_loss(cfg.policy_loss)
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.version = version
@@ -135,7 +118,7 @@ class Trainer:
         as ``micro_batch_tokens`` allows, through the same loss as ``step``:
         the process allocates its peak activation memory once, before the
         run's clock starts. With the workers' allocator settings
-        (``infra.workers.worker_env``) that memory stays in the process, so
+        (``infra.placement.worker_env``) that memory stays in the process, so
         no step pays for first-touch page faults again (on the CPU VM the
         first step of a run took 6 to 7 s where the next took 0.5 s).
         Gradients are dropped: the weights, the optimiser state, the version
@@ -172,7 +155,7 @@ class Trainer:
         return (self.cfg.skip_zero_advantage and self.reference is None and not self._sharded
                 and (sample.advantage == 0.0 or sample.loss_weight == 0.0))
 
-    def step(self, samples: list[TrainSample]) -> StepMetrics:
+    def step(self, samples: list[TrainSample]) -> TrainStep:
         """One optimiser step on ``samples`` (gradients accumulated over micro-batches).
 
         The loss normaliser counts every sample of the batch, skipped ones included (``skippable``),
@@ -203,12 +186,12 @@ class Trainer:
         self.optimizer.step()
         self.version += 1
         per_token = float(max(trained_tokens, 1))
-        return StepMetrics(version=self.version, loss=sums["loss"], kl=sums["kl"] / per_token,
-                           entropy=sums["entropy"] / per_token, grad_norm=float(grad_norm),
-                           clip_fraction=sums["clip"] / per_token, ratio_mean=sums["ratio"] / per_token,
-                           trained_tokens=trained_tokens, micro_batches=len(groups),
-                           seconds=time.perf_counter() - start, skipped_samples=len(samples) - len(active),
-                           skipped_tokens=loss_tokens - trained_tokens, learning_rate=lr)
+        return TrainStep(version=self.version, loss=sums["loss"], kl=sums["kl"] / per_token,
+                         entropy=sums["entropy"] / per_token, grad_norm=float(grad_norm),
+                         clip_fraction=sums["clip"] / per_token, importance_ratio_mean=sums["ratio"] / per_token,
+                         trained_tokens=trained_tokens, micro_batches=len(groups),
+                         trainer_seconds=time.perf_counter() - start, skipped_samples=len(samples) - len(active),
+                         skipped_tokens=loss_tokens - trained_tokens, learning_rate=lr)
 
     def step_learning_rate(self, samples: list[TrainSample]) -> float:
         """``learning_rate``, times the mean loss weight of the samples with a gradient (``lr_by_weight``).
@@ -238,16 +221,7 @@ class Trainer:
         targets = batch["ids"][:, 1:]
         logp = grpo.token_logprobs(logits, targets)
         mask = batch["mask"]
-        if self.cfg.policy_loss == "decoupled":
-            # One optimiser step per batch, so the proximal policy is the current weights: r = 1 with
-            # gradient, and the behaviour weight w = min(exp(logp - behaviour), cap) corrects stale tokens.
-            per_token, _, weight = offpolicy.decoupled_ppo_loss(
-                logp, logp.detach(), batch["behaviour"], batch["adv"], self.cfg.clip_eps_low,
-                self.cfg.clip_eps_high, self.cfg.is_weight_cap, self.cfg.is_cap_mode)
-            clipped = (torch.exp(logp.detach() - batch["behaviour"]) > self.cfg.is_weight_cap).float()
-        else:
-            per_token, clipped = grpo.clipped_surrogate(logp, batch["behaviour"], batch["adv"],
-                                                        self.cfg.clip_eps_low, self.cfg.clip_eps_high)
+        per_token, clipped = self.policy_loss(logp, batch["behaviour"], batch["adv"], self.cfg)
         kl = torch.zeros_like(logp)
         if self.reference is not None:
             with torch.no_grad():

@@ -1,17 +1,23 @@
-"""The trajectory store: Delta tables ``trajectories`` and ``usage`` under one root.
+"""``DeltaTrajectoryStore``: the trajectory store on Delta tables under one root.
 
 Layout under ``root`` (a local path or an ``s3://``, ``gs://``, ``az://`` URI)::
 
-    <root>/trajectories   partitioned by policy_version, schema TRAJECTORY_SCHEMA
-    <root>/usage          unpartitioned, schema USAGE_SCHEMA
+    <root>/trajectories    partitioned by policy_version, schema TRAJECTORY_SCHEMA
+    <root>/usage           unpartitioned, schema USAGE_SCHEMA
+    <root>/rollout_cache   unpartitioned, schema CACHE_SCHEMA
 
 Tables are created lazily on the first append. Every append carries a Delta
 application transaction ``(app_id, txn_version)``; an append whose
 ``txn_version`` is not newer than the one already committed for ``app_id`` is
-skipped, so a retried step never duplicates rows. Each operation opens the
-table afresh (about 10 ms with a checkpoint) instead of sharing a
-``DeltaTable`` between threads, which keeps the store stateless and safe to
-use from several threads or processes.
+skipped, so a retried step never duplicates rows.
+
+Open tables are kept, one set per thread: opening a table replays its log
+(30 ms on a fresh run, more as a streaming run's commits pile up), while a
+kept one reads only the commits since it was last used
+(``update_incremental``, about 1 ms). A ``DeltaTable`` is not safe to refresh
+while another thread reads it, so each thread keeps its own; a store object
+may therefore be shared by every thread of a process, and processes share
+nothing but the files.
 """
 
 from __future__ import annotations
@@ -19,93 +25,41 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
-from reflow.storage.schema import (CACHE_SCHEMA, TRAJECTORY_SCHEMA, USAGE_SCHEMA, CachedSample, Trajectory, Usage,
-                                   to_table)
+from reflow.storage.schema import (
+    CACHE_SCHEMA,
+    TRAJECTORY_SCHEMA,
+    USAGE_SCHEMA,
+    CachedSample,
+    Trajectory,
+    Usage,
+    to_table,
+)
+from reflow.storage.store import (
+    READ_ORDER,
+    ROLLOUT_CACHE,
+    TABLE_SPECS,
+    TRAJECTORIES,
+    USAGE,
+    StorageError,
+    TableSpec,
+    trajectory_filter,
+)
 
-TRAJECTORIES = "trajectories"
-USAGE = "usage"
-ROLLOUT_CACHE = "rollout_cache"
 # Appends retried after losing a commit race (delta-rs already retries plain
 # append-vs-append conflicts internally; these are txn and metadata conflicts).
 COMMIT_ATTEMPTS = 5
 
 
-class StorageError(RuntimeError):
-    """A table cannot be opened, written or queried; the message names the path and the cause."""
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """What a table under the root must look like."""
-
-    name: str
-    schema: pa.Schema
-    partition_by: tuple[str, ...]
-
-
-TABLE_SPECS: dict[str, TableSpec] = {
-    TRAJECTORIES: TableSpec(TRAJECTORIES, TRAJECTORY_SCHEMA, ("policy_version",)),
-    USAGE: TableSpec(USAGE, USAGE_SCHEMA, ()),
-    ROLLOUT_CACHE: TableSpec(ROLLOUT_CACHE, CACHE_SCHEMA, ()),
-}
-
-# Rows come back in a fixed order so that seeded sampling over a read is
-# reproducible whatever the file layout (compaction reorders files).
-_READ_ORDER = [("rollout_step", "ascending"), ("trajectory_id", "ascending")]
-
 # One partition per operator, not one per core: selection p95 at 1M rows 95 -> 80 ms (docs/measurements.md).
 QUERY_SESSION = {"datafusion.execution.target_partitions": "1"}
-
-
-@runtime_checkable
-class TrajectoryStore(Protocol):
-    """Append-only store of trajectories and of their usage (the consumption log)."""
-
-    root: str
-
-    def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
-        """Append records; return the new table version, or None if skipped (already written or empty)."""
-        ...
-
-    def append_usage(self, rows: Sequence[Usage], *, app_id: str, txn_version: int) -> int | None:
-        """Append usage rows; return the new table version, or None if skipped."""
-        ...
-
-    def append_cache(self, rows: Sequence[CachedSample], *, app_id: str, txn_version: int) -> int | None:
-        """Append a rollout-cache snapshot; return the new table version, or None if skipped."""
-        ...
-
-    def committed(self, name: str, app_id: str) -> int | None:
-        """The latest ``txn_version`` committed to table ``name`` under ``app_id`` (None: none yet)."""
-        ...
-
-    def read_trajectories(self, *, run_id: str, rollout_step: int | None = None,
-                          ids: Sequence[str] | None = None, versions: tuple[int, int] | None = None) -> pa.Table:
-        """Trajectories of one run (optionally one rollout step, some ids, a version range), in TRAJECTORY_SCHEMA."""
-        ...
-
-    def query(self, sql: str, as_of: Mapping[str, int] | None = None) -> pa.Table:
-        """Run SQL over the tables (``trajectories``, ``usage``, ``rollout_cache``), optionally at given versions."""
-        ...
-
-    def table_versions(self) -> dict[str, int]:
-        """Current version of each table; -1 for a table not created yet."""
-        ...
-
-    def compact(self, retention_hours: int | None = None) -> dict[str, object]:
-        """Merge small files, checkpoint and vacuum each table; return metrics per table."""
-        ...
 
 
 def _local_path(uri: str) -> Path | None:
@@ -153,25 +107,8 @@ def _plain_type(arrow_type: pa.DataType) -> pa.DataType:
     return arrow_type
 
 
-def trajectory_filter(run_id: str, rollout_step: int | None, ids: Sequence[str] | None,
-                      versions: tuple[int, int] | None = None) -> pc.Expression:
-    """The row filter of ``read_trajectories`` as a pyarrow expression.
-
-    ``versions`` (lowest, highest policy version) prunes partitions, so a
-    read touches only the files of the versions it needs.
-    """
-    expr = pc.field("run_id") == run_id
-    if versions is not None:
-        expr &= (pc.field("policy_version") >= versions[0]) & (pc.field("policy_version") <= versions[1])
-    if rollout_step is not None:
-        expr &= pc.field("rollout_step") == rollout_step
-    if ids is not None:
-        expr &= pc.field("trajectory_id").isin(list(ids))
-    return expr
-
-
 class DeltaTrajectoryStore:
-    """``TrajectoryStore`` on Delta tables (local disk or object storage)."""
+    """``TrajectoryStore`` on Delta tables (local disk or object storage); thread-safe (module docstring)."""
 
     def __init__(self, root: str | os.PathLike[str], storage_options: dict[str, str] | None = None) -> None:
         """Check ``root`` and any tables already under it; raise StorageError if unusable.
@@ -185,7 +122,7 @@ class DeltaTrajectoryStore:
         local = _local_path(self.root)
         if local is not None and local.exists() and not local.is_dir():
             raise StorageError(f"trajectory store root {self.root} is an existing file, not a directory")
-        self._kept: dict[str, DeltaTable] = {}
+        self._threads = threading.local()  # per thread: {table name: DeltaTable kept open}
         for name in TABLE_SPECS:
             self._open(name)
 
@@ -251,19 +188,23 @@ class DeltaTrajectoryStore:
             raise StorageError(f"Delta table {uri} does not have the reflow {spec.name} schema "
                                f"(it was left unchanged): " + "; ".join(diffs))
 
-    def _latest(self, name: str) -> DeltaTable | None:
-        """Table ``name`` kept open by this store and brought up to its latest version."""
-        table = self._kept.get(name)
+    def latest_table(self, name: str) -> DeltaTable | None:
+        """Table ``name`` as this thread keeps it open, brought up to its latest version (None: not created yet).
+
+        The caller may read it in this thread; it is not to be handed to another one.
+        """
+        kept: dict[str, DeltaTable] = self._threads.__dict__.setdefault("tables", {})
+        table = kept.get(name)
         if table is None:
             table = self._open(name)
             if table is not None:
-                self._kept[name] = table
+                kept[name] = table
             return table
         try:
             table.update_incremental()
         except DeltaError:  # replaced under us (a table deleted and created again): open it afresh
-            del self._kept[name]
-            return self._latest(name)
+            del kept[name]
+            return self.latest_table(name)
         return table
 
     def _open_or_create(self, name: str) -> DeltaTable:
@@ -292,7 +233,7 @@ class DeltaTrajectoryStore:
         props = CommitProperties(app_transactions=[Transaction(app_id, txn_version)])
         failure: CommitFailedError | None = None
         for _ in range(COMMIT_ATTEMPTS):
-            table = self._latest(name) or self._open_or_create(name)  # kept tables read only new commits
+            table = self.latest_table(name) or self._open_or_create(name)  # kept tables read only new commits
             if _already_committed(table, app_id, txn_version):
                 return None
             try:
@@ -313,7 +254,7 @@ class DeltaTrajectoryStore:
 
         A resumed run asks this to find the work a killed attempt already wrote.
         """
-        table = self._latest(name)
+        table = self.latest_table(name)
         return None if table is None else table.transaction_version(app_id)
 
     def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
@@ -338,14 +279,14 @@ class DeltaTrajectoryStore:
         statistics exclude the run are skipped. The table stays open between
         reads (only new commits are read the next time).
         """
-        table = self._latest(TRAJECTORIES)
+        table = self.latest_table(TRAJECTORIES)
         if table is None:
             return TRAJECTORY_SCHEMA.empty_table()
         try:
             rows = table.to_pyarrow_dataset().to_table(filter=trajectory_filter(run_id, rollout_step, ids, versions))
         except (DeltaError, OSError, pa.ArrowException) as exc:
             raise StorageError(f"reading {self.table_uri(TRAJECTORIES)} failed: {exc}") from exc
-        return rows.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA).sort_by(_READ_ORDER)
+        return rows.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA).sort_by(READ_ORDER)
 
     def query(self, sql: str, as_of: Mapping[str, int] | None = None) -> pa.Table:
         """Run DataFusion SQL over the tables (registered by name); raise StorageError with the SQL engine's message.
@@ -360,7 +301,7 @@ class DeltaTrajectoryStore:
         builder = QueryBuilder(QUERY_SESSION)
         missing = []
         for name in TABLE_SPECS:
-            table = self._open(name, as_of[name]) if name in as_of else self._latest(name)
+            table = self._open(name, as_of[name]) if name in as_of else self.latest_table(name)
             if table is None:
                 if name in as_of:
                     raise StorageError(f"table {name!r} does not exist yet under {self.root}")
@@ -384,7 +325,7 @@ class DeltaTrajectoryStore:
         """Current version of each table; -1 for a table not created yet."""
         versions = {}
         for name in TABLE_SPECS:
-            table = self._open(name)
+            table = self.latest_table(name)
             versions[name] = -1 if table is None else table.version()
         return versions
 
@@ -423,78 +364,3 @@ def _already_committed(table: DeltaTable, app_id: str, txn_version: int) -> bool
     return done is not None and done >= txn_version
 
 
-class InMemoryTrajectoryStore:
-    """``TrajectoryStore`` on in-process Arrow tables, for unit tests of other code.
-
-    Same idempotency and version numbering as the Delta store (creating a
-    table is version 0, its first append version 1). ``query`` is not
-    supported: DataFusion here only reads Delta tables; use a
-    ``DeltaTrajectoryStore`` on ``tmp_path`` for SQL.
-    """
-
-    def __init__(self, root: str = "memory://") -> None:
-        """An empty store; ``root`` is only a label."""
-        self.root = root
-        self._tables: dict[str, pa.Table] = {}
-        self._versions: dict[str, int] = {}
-        self._txns: dict[tuple[str, str], int] = {}
-        self._lock = threading.Lock()
-
-    def _append(self, name: str, data: pa.Table, app_id: str, txn_version: int) -> int | None:
-        """Append ``data`` to ``name`` unless ``(app_id, txn_version)`` was already committed."""
-        if data.num_rows == 0:
-            return None
-        with self._lock:
-            done = self._txns.get((name, app_id))
-            if done is not None and done >= txn_version:
-                return None
-            current = self._tables.get(name, TABLE_SPECS[name].schema.empty_table())
-            self._tables[name] = pa.concat_tables([current, data])
-            self._versions[name] = self._versions.get(name, 0) + 1
-            self._txns[(name, app_id)] = txn_version
-            return self._versions[name]
-
-    def committed(self, name: str, app_id: str) -> int | None:
-        """The latest ``txn_version`` committed to table ``name`` under ``app_id`` (None: none yet)."""
-        with self._lock:
-            return self._txns.get((name, app_id))
-
-    def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
-        """Append trajectories; return the new version, or None if skipped (already written or empty)."""
-        return self._append(TRAJECTORIES, to_table(records, TRAJECTORY_SCHEMA), app_id, txn_version)
-
-    def append_usage(self, rows: Sequence[Usage], *, app_id: str, txn_version: int) -> int | None:
-        """Append usage rows; return the new version, or None if skipped (already written or empty)."""
-        return self._append(USAGE, to_table(rows, USAGE_SCHEMA), app_id, txn_version)
-
-    def append_cache(self, rows: Sequence[CachedSample], *, app_id: str, txn_version: int) -> int | None:
-        """Append a rollout-cache snapshot; return the new version, or None if skipped."""
-        return self._append(ROLLOUT_CACHE, to_table(rows, CACHE_SCHEMA), app_id, txn_version)
-
-    def read_trajectories(self, *, run_id: str, rollout_step: int | None = None,
-                          ids: Sequence[str] | None = None, versions: tuple[int, int] | None = None) -> pa.Table:
-        """Trajectories of ``run_id``, filtered and ordered as in the Delta store."""
-        with self._lock:
-            table = self._tables.get(TRAJECTORIES, TRAJECTORY_SCHEMA.empty_table())
-        return table.filter(trajectory_filter(run_id, rollout_step, ids, versions)).sort_by(_READ_ORDER)
-
-    def usage(self) -> pa.Table:
-        """All usage rows (what tests use instead of SQL)."""
-        with self._lock:
-            return self._tables.get(USAGE, USAGE_SCHEMA.empty_table())
-
-    def query(self, sql: str, as_of: Mapping[str, int] | None = None) -> pa.Table:
-        """Not supported in memory; raises NotImplementedError."""
-        raise NotImplementedError("InMemoryTrajectoryStore does not run SQL (deltalake's DataFusion only reads "
-                                  "Delta tables); use DeltaTrajectoryStore(tmp_path) in tests that query")
-
-    def table_versions(self) -> dict[str, int]:
-        """Current version of each table; -1 for a table not created yet."""
-        with self._lock:
-            return {name: self._versions.get(name, -1) for name in TABLE_SPECS}
-
-    def compact(self, retention_hours: int | None = None) -> dict[str, object]:
-        """Merge each table's chunks; versions are unchanged. Returns an empty metrics dict per table."""
-        with self._lock:
-            self._tables = {name: table.combine_chunks() for name, table in self._tables.items()}
-            return {name: {} for name in self._tables}

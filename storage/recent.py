@@ -23,11 +23,11 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from deltalake import DeltaTable
-from deltalake.exceptions import DeltaError, TableNotFoundError
+from deltalake.exceptions import DeltaError
 
-from reflow.storage.delta_store import _READ_ORDER, TRAJECTORIES, DeltaTrajectoryStore
+from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.schema import TRAJECTORY_SCHEMA
+from reflow.storage.store import READ_ORDER, TRAJECTORIES, StorageError
 
 
 class RecentTrajectories:
@@ -50,7 +50,6 @@ class RecentTrajectories:
         self.store = store
         uri = store.table_uri(TRAJECTORIES)
         self.local = Path(urlparse(uri).path) if uri.startswith("file://") else None if "://" in uri else Path(uri)
-        self.table: DeltaTable | None = None  # kept open: each refresh reads only new commits
         self.parts: dict[str, tuple[int, pa.Table]] = {}  # file path -> (policy version, its rows)
         self.seen: set[str] = set()  # files read or dropped
         self.lowest: int | None = None  # the lowest version the last read asked for
@@ -65,13 +64,13 @@ class RecentTrajectories:
                 self.lowest = versions[0] if keep_from is None else min(keep_from, versions[0])
                 try:
                     rows = self._kept()
-                except (DeltaError, OSError, pa.ArrowException):  # the store's read reports it, or succeeds
+                except (DeltaError, StorageError, OSError, pa.ArrowException):  # the store's read reports it, or succeeds
                     self._forget()
                     rows = None
             if rows is not None:
                 found = _matching(rows, run_id, ids, versions)
                 if found.num_rows == len(set(ids)):
-                    return found.sort_by(_READ_ORDER)
+                    return found.sort_by(READ_ORDER)
         return self.store.read_trajectories(run_id=run_id, ids=ids, versions=versions)
 
     def keep_fresh(self, interval_s: float = 0.2) -> None:
@@ -95,11 +94,11 @@ class RecentTrajectories:
                     continue
                 try:
                     self._scan(self.lowest)
-                except (DeltaError, OSError, pa.ArrowException):  # the next read falls back and reports it
+                except (DeltaError, StorageError, OSError, pa.ArrowException):  # the next read falls back and reports it
                     self._forget()
 
     def _forget(self) -> None:
-        self.parts, self.seen, self.table = {}, set(), None
+        self.parts, self.seen = {}, set()
 
     def _kept(self) -> pa.Table | None:
         assert self.lowest is not None
@@ -109,14 +108,10 @@ class RecentTrajectories:
 
     def _scan(self, lowest: int) -> bool:
         """Read the files committed since the last scan, drop those below ``lowest``; False: nothing kept."""
-        if self.table is None:
-            try:
-                self.table = DeltaTable(str(self.local))
-            except TableNotFoundError:
-                return False
-        else:
-            self.table.update_incremental()
-        files = pa.table(self.table.get_add_actions(flatten=True))
+        table = self.store.latest_table(TRAJECTORIES)  # kept open by the store: only new commits are read
+        if table is None:
+            return False
+        files = pa.table(table.get_add_actions(flatten=True))
         paths = files.column("path").to_pylist()
         current = set(paths)
         if self.seen - current:  # files were rewritten: start over

@@ -34,93 +34,24 @@ max_staleness_versions`` only: a row inside the window was generated at a
 version no older than that, and a trajectory cannot be trained on by weights
 older than the ones that generated it. That bound lets Delta skip old
 ``usage`` files; the ``policy_version`` range prunes ``trajectories``
-partitions. ``CachedTables`` keeps both tables open between selections
-(``update_incremental`` instead of a log replay per query). See
-``storage/bench.py`` for the latency at 1,000,000 rows.
+partitions. The store keeps both tables open between selections
+(``update_incremental`` instead of a log replay per query). ``reflow
+bench-sampler`` (``bench.sampler``) measures the latency at 1,000,000 rows.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
-import pyarrow as pa
-from deltalake import DeltaTable, QueryBuilder
-from deltalake.exceptions import DeltaError
-
-from reflow.storage.delta_store import QUERY_SESSION, TABLE_SPECS, TRAJECTORIES, USAGE, DeltaTrajectoryStore, \
-    StorageError, _plain_arrow
-from reflow.storage.sampler import BatchSelection, _quote
-from reflow.storage.schema import Usage
+from reflow.storage.sampler import BatchSelection
+from reflow.storage.store import TRAJECTORIES, USAGE, StorageError, TrajectoryStore, quote
 
 Kind = Literal["fresh", "stale", "replay"]
 WeightFn = Callable[[int, int], float]
 # Slack on the replay-share comparison so that e.g. 0.29 * 100 (28.999...96) admits 29 samples.
 _SHARE_SLACK = 1e-9
-
-
-class SqlTables(Protocol):
-    """What ``select_batch`` needs: a ``TrajectoryStore`` or ``CachedTables``."""
-
-    def query(self, sql: str) -> pa.Table:
-        """Run SQL over ``trajectories`` and ``usage``; StorageError on failure."""
-        ...
-
-    def table_versions(self) -> dict[str, int]:
-        """Current version of each table; -1 for a table not created yet."""
-        ...
-
-
-class CachedTables:
-    """``store.query`` with both Delta tables kept open and brought up to date before each query.
-
-    ``DeltaTrajectoryStore.query`` opens each table afresh, replaying the log
-    from the last checkpoint: ~2-4 ms per table right after ``compact()``,
-    ~10-15 ms with 50 commits since the last checkpoint (1M rows, 250 files).
-    Here each table is opened once and ``update_incremental()`` reads only the
-    commits since the previous query (~1 ms). A lock serialises queries, so one
-    instance may be shared by threads; other processes just hold their own.
-    """
-
-    def __init__(self, store: DeltaTrajectoryStore) -> None:
-        """Wrap ``store``; tables are opened lazily, once they exist."""
-        self.store = store
-        self._tables: dict[str, DeltaTable] = {}
-        self._lock = threading.Lock()
-
-    def _current(self) -> dict[str, DeltaTable]:
-        """The open tables, updated to their latest versions (newly created ones opened)."""
-        for name in TABLE_SPECS:
-            table = self._tables.get(name)
-            if table is None:
-                opened = self.store._open(name)  # validates the schema once
-                if opened is not None:
-                    self._tables[name] = opened
-                continue
-            try:
-                table.update_incremental()
-            except DeltaError as exc:
-                raise StorageError(f"refreshing {self.store.table_uri(name)} failed: {exc}") from exc
-        return self._tables
-
-    def query(self, sql: str) -> pa.Table:
-        """Run DataFusion SQL over ``trajectories`` and ``usage`` at their latest versions."""
-        with self._lock:
-            builder = QueryBuilder(QUERY_SESSION)
-            for name, table in self._current().items():
-                builder.register(name, table)
-            try:
-                return _plain_arrow(builder.execute(sql))
-            except DeltaError as exc:
-                raise StorageError(f"query on {self.store.root} failed: {exc}\nSQL: {sql}") from exc
-
-    def table_versions(self) -> dict[str, int]:
-        """Current version of each table; -1 for a table not created yet."""
-        with self._lock:
-            tables = self._current()
-            return {name: tables[name].version() if name in tables else -1 for name in TABLE_SPECS}
 
 
 @dataclass(frozen=True)
@@ -163,12 +94,6 @@ class ReplaySelection(BatchSelection):
         n = len(self.kinds)
         return sum(k == "replay" for k in self.kinds) / n if n else 0.0
 
-    def usage_rows(self, run_id: str, trainer_step: int) -> list[Usage]:
-        """The ``usage`` rows that record this batch as trained at ``trainer_step``."""
-        return [Usage(run_id=run_id, trajectory_id=tid, trainer_step=trainer_step,
-                      trainer_version=self.trainer_version, loss_weight=w, staleness=s)
-                for tid, w, s in zip(self.trajectory_ids, self.loss_weights, self.staleness)]
-
 
 # Sort keys of the group order within each part (0: unused, 1: replayed); one window serves both parts,
 # so unused groups sort by age ascending and replayed ones by the replay order.
@@ -199,7 +124,7 @@ def select_batch_sql(run_id: str, trainer_version: int, groups_needed: int, poli
         raise ValueError(f"groups_needed must be >= 0, got {groups_needed}")
     if samples_per_prompt is not None and samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
-    tv, lo, run = int(trainer_version), int(trainer_version) - policy.max_staleness_versions, _quote(run_id)
+    tv, lo, run = int(trainer_version), int(trainer_version) - policy.max_staleness_versions, quote(run_id)
     g = int(groups_needed)
     uses = (f"SELECT trajectory_id, COUNT(*) AS uses FROM usage "
             f"WHERE run_id = {run} AND trainer_version >= {lo} GROUP BY trajectory_id") if with_usage else \
@@ -250,17 +175,16 @@ FROM members ORDER BY part, pos, m['sample_index'], m['trajectory_id']
 """
 
 
-def select_batch(store: SqlTables, run_id: str, trainer_version: int, groups_needed: int,
+def select_batch(store: TrajectoryStore, run_id: str, trainer_version: int, groups_needed: int,
                  policy: ReplayPolicy, weight_fn: WeightFn | None = None, *,
                  samples_per_prompt: int | None = None) -> ReplaySelection:
     """Up to ``groups_needed`` whole groups for the step trained at ``trainer_version`` (rules: module doc).
 
-    ``store`` is a ``TrajectoryStore`` or, for a selector loop, a
-    ``CachedTables`` around one. ``weight_fn(reuse_count, staleness)`` gives each trajectory's loss weight
+    ``weight_fn(reuse_count, staleness)`` gives each trajectory's loss weight
     (default 1.0; ``policies.offpolicy.replay_weight`` is the ReFlow default).
     Returns an empty selection when nothing is admissible or nothing was
     written yet. Recording the step is the caller's job:
-    ``store.append_usage(selection.usage_rows(run_id, step), ...)``.
+    ``store.append_usage(selection.usage_rows(run_id, step, selection.trainer_version), ...)``.
     """
     def run(with_usage: bool) -> dict[str, list]:
         return store.query(select_batch_sql(run_id, trainer_version, groups_needed, policy,
@@ -292,57 +216,3 @@ def _selection(ids: list[str], groups: list[str], versions: list[int], uses: lis
                            reuse_counts=uses, kinds=kinds, trainer_version=int(trainer_version))
 
 
-def recorded_batch_sql(run_id: str, trainer_step: int) -> str:
-    """SQL of the batch that ``usage`` records for ``trainer_step`` of ``run_id``."""
-    return ("SELECT trajectory_id, loss_weight, trainer_version, staleness FROM usage "
-            f"WHERE run_id = {_quote(run_id)} AND trainer_step = {int(trainer_step)} ORDER BY trajectory_id")
-
-
-def recorded_batch(store: SqlTables, run_id: str, trainer_step: int) -> dict[str, float]:
-    """``{trajectory_id: loss_weight}`` of the batch trained at ``trainer_step``, rebuilt from ``usage``."""
-    cols = store.query(recorded_batch_sql(run_id, trainer_step)).to_pydict()
-    return dict(zip(cols["trajectory_id"], (float(w) for w in cols["loss_weight"])))
-
-
-def trained_groups(store: SqlTables, run_id: str, before_step: int) -> int:
-    """Distinct groups that ``usage`` records as trained on by steps before ``before_step`` (0 without a log).
-
-    A resumed run counts its spent ``run.max_new_groups`` budget with it.
-    """
-    if before_step <= 0 or store.table_versions().get(USAGE, -1) < 0:
-        return 0
-    rows = store.query(
-        f"SELECT COUNT(DISTINCT t.group_id) AS n FROM {USAGE} u JOIN {TRAJECTORIES} t "
-        f"ON u.trajectory_id = t.trajectory_id WHERE u.run_id = {_quote(run_id)} "
-        f"AND u.trainer_step < {int(before_step)}").to_pylist()
-    return int(rows[0]["n"]) if rows else 0
-
-
-def recorded_selection(store: SqlTables, run_id: str, trainer_step: int) -> ReplaySelection | None:
-    """The whole selection ``usage`` records for ``trainer_step`` (a resumed run trains it again), or None.
-
-    Loss weights and the trainer version are the logged ones; reuse counts
-    are the uses logged by earlier steps, and a row's kind follows from them
-    (``replay`` if used before, else ``fresh`` at the logged trainer version,
-    else ``stale``), as ``select_batch`` labelled it. None without a log.
-    """
-    if store.table_versions().get(USAGE, -1) < 0:
-        return None
-    run = _quote(run_id)
-    rows = store.query(
-        f"WITH prior AS (SELECT trajectory_id, COUNT(*) AS reuse FROM {USAGE} WHERE run_id = {run} "
-        f"AND trainer_step < {int(trainer_step)} GROUP BY trajectory_id) "
-        f"SELECT u.trajectory_id, u.loss_weight, u.trainer_version, t.policy_version, t.group_id, "
-        f"COALESCE(prior.reuse, 0) AS reuse FROM {USAGE} u JOIN {TRAJECTORIES} t "
-        f"ON u.trajectory_id = t.trajectory_id LEFT JOIN prior ON prior.trajectory_id = u.trajectory_id "
-        f"WHERE u.run_id = {run} AND u.trainer_step = {int(trainer_step)} ORDER BY u.trajectory_id").to_pylist()
-    if not rows:
-        return None
-    version = int(rows[0]["trainer_version"])
-    kinds: list[Kind] = ["replay" if r["reuse"] else ("fresh" if r["policy_version"] == version else "stale")
-                         for r in rows]
-    return ReplaySelection(trajectory_ids=[r["trajectory_id"] for r in rows],
-                           loss_weights=[float(r["loss_weight"]) for r in rows],
-                           policy_versions=[int(r["policy_version"]) for r in rows],
-                           group_ids=[r["group_id"] for r in rows], reuse_counts=[int(r["reuse"]) for r in rows],
-                           kinds=kinds, trainer_version=version)

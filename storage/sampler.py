@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reflow.storage.delta_store import TrajectoryStore
+from reflow.storage.schema import Usage
+from reflow.storage.store import TrajectoryStore, quote
 
 
 @dataclass(frozen=True)
@@ -20,16 +21,18 @@ class BatchSelection:
     loss_weights: list[float]
     policy_versions: list[int]
 
-
-def _quote(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
+    def usage_rows(self, run_id: str, trainer_step: int, trainer_version: int) -> list[Usage]:
+        """The ``usage`` rows that record this batch as trained at ``trainer_step`` by weights ``trainer_version``."""
+        return [Usage(run_id=run_id, trajectory_id=tid, trainer_step=trainer_step, trainer_version=trainer_version,
+                      loss_weight=w, staleness=trainer_version - v)
+                for tid, w, v in zip(self.trajectory_ids, self.loss_weights, self.policy_versions)]
 
 
 def sync_batch_sql(run_id: str, rollout_step: int) -> str:
     """SQL of the sync mode's batch: the whole rollout of ``rollout_step``."""
     return (
         "SELECT trajectory_id, policy_version FROM trajectories "
-        f"WHERE run_id = {_quote(run_id)} AND rollout_step = {int(rollout_step)} "
+        f"WHERE run_id = {quote(run_id)} AND rollout_step = {int(rollout_step)} "
         "ORDER BY group_id, sample_index"
     )
 

@@ -141,7 +141,7 @@ def _is_file_store(tracking_uri: str) -> bool:
     return scheme in ("", "file") or len(scheme) == 1  # a one-letter scheme is a Windows drive
 
 
-def _quiet_mlflow_logging() -> None:
+def quiet_mlflow_logging() -> None:
     """Silence MLflow's INFO lines about creating and migrating the sqlite database."""
     for name in ("mlflow.store.db.utils", "alembic", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -184,7 +184,7 @@ class MLflowTracker:
         from mlflow import MlflowClient
         from mlflow.entities import Param, RunTag
 
-        _quiet_mlflow_logging()
+        quiet_mlflow_logging()
         with warnings.catch_warnings():
             # MLflow 3.17's sqlite store trips a SQLAlchemy 2.1 deprecation once per process; not ours to fix.
             warnings.filterwarnings("ignore", message=r".*``noload`` loader strategy is deprecated")
@@ -205,7 +205,7 @@ class MLflowTracker:
         """Reopen run ``run_id`` (left RUNNING or FAILED by a killed attempt) and mark it RUNNING again."""
         from mlflow import MlflowClient
 
-        _quiet_mlflow_logging()
+        quiet_mlflow_logging()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*``noload`` loader strategy is deprecated")
             self._client = MlflowClient(tracking_uri=self.tracking_uri)

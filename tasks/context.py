@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 from typing import Any
 
+from reflow.config.schema import EnvConfig, ReflowConfig
+from reflow.control.clock import Clock, SystemClock
 from reflow.envs.base import Env, make_env
-from reflow.infra.clock import Clock, SystemClock
-from reflow.infra.config import EnvConfig, ReflowConfig
 from reflow.infra.cpu import CpuTimes, idle_fraction, read_cpu_times
 from reflow.infra.run import RunRecord, load_config_of, load_record
+from reflow.policies.models import load_tokenizer
 from reflow.storage.delta_store import DeltaTrajectoryStore
 
 
@@ -59,29 +59,15 @@ def step_cpu_idle(run_dir: str) -> float | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(model_dir: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
+def _env(env_json: str, seed: int, model_dir: str) -> Env:
+    """The workload, built once per process (a dataset workload reads and renders its file here)."""
+    return make_env(EnvConfig.model_validate_json(env_json), seed, load_tokenizer(model_dir))
 
 
 @functools.lru_cache(maxsize=4)
-def _env(env_json: str, seed: int, model_dir: str) -> Env:
-    """The workload, built once per process (a dataset workload reads and renders its file here)."""
-    return make_env(EnvConfig.model_validate_json(env_json), seed, _tokenizer(model_dir))
-
-
-# One store per thread and root: opening one reads every table's log (30 ms on a fresh run, more as a streaming
-# run's commits pile up), and tasks run several times a step. A kept store brings its tables up to date on each
-# read and write; a store is not shared between threads (the feeder, the selector and the logging thread).
-_STORES = threading.local()
-
-
 def _store(root: str) -> DeltaTrajectoryStore:
-    stores = _STORES.__dict__.setdefault("by_root", {})
-    if root not in stores:
-        stores[root] = DeltaTrajectoryStore(root)
-    return stores[root]
+    """One store per root and process: it keeps its tables open, one set per thread (``storage.delta_store``)."""
+    return DeltaTrajectoryStore(root)
 
 
 def context(run_dir: str) -> TaskContext:
@@ -89,4 +75,5 @@ def context(run_dir: str) -> TaskContext:
     record = load_record(run_dir)
     cfg = load_config_of(run_dir)
     return TaskContext(record=record, cfg=cfg, env=_env(cfg.env.model_dump_json(), cfg.run.seed, record.model_dir),
-                       tokenizer=_tokenizer(record.model_dir), store=_store(record.store_root), clock=SystemClock())
+                       tokenizer=load_tokenizer(record.model_dir), store=_store(record.store_root),
+                       clock=SystemClock())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import json
 import os
 import platform
@@ -10,25 +11,39 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from reflow.infra import provenance, report
-from reflow.infra.config import ReflowConfig, flat_params
-from reflow.infra.run import (RunRecord, StepRecord, append_step, default_tracking_uri, latest_checkpoint,
-                              load_config_of, load_record, read_steps, rewrite_steps, write_config, write_record)
+from reflow.config.load import flat_params
+from reflow.config.schema import ReflowConfig
+from reflow.envs.tools import run_tool_call
+from reflow.infra import provenance
+from reflow.infra.placement import Placement, actor, launch_workers, start_ray, stop_workers
+from reflow.infra.run import (
+    RunRecord,
+    append_step,
+    default_tracking_uri,
+    latest_checkpoint,
+    load_config_of,
+    load_record,
+    read_steps,
+    rewrite_steps,
+    write_config,
+    write_record,
+)
 from reflow.infra.runlock import WriterLock, lock_paths
-from reflow.infra.workers import Placement, actor, launch_workers, start_ray, stop_workers
-from reflow.policies.engines import EngineSettings, model_max_len
+from reflow.policies.engines import engine_settings
+from reflow.policies.models import resolve_model_dir
 from reflow.storage.delta_store import DeltaTrajectoryStore
+from reflow.storage.metrics import EvalStats, StepMetrics, StepRecord, metric_values
 from reflow.storage.tracker import Tracker, make_tracker
-from reflow.tasks.context import _tokenizer, context, mark_origin
-
-if TYPE_CHECKING:
-    from reflow.tasks.rollout import EvalSummary
+from reflow.tasks import report
+from reflow.tasks.context import context, mark_origin
+from reflow.tasks.rollout import evaluate
+from reflow.tasks.update import checkpoint
 
 # One tracker per run, owned by the process that runs the flow (tasks run in it).
 _TRACKERS: dict[str, Tracker] = {}
@@ -36,26 +51,6 @@ _TRACKERS: dict[str, Tracker] = {}
 _LOCKS: dict[str, WriterLock] = {}
 # A resumed run: per metric key, the steps its MLflow run already holds.
 _LOGGED: dict[str, dict[str, set[int]]] = {}
-
-
-def resolve_model_dir(cfg: ReflowConfig, progress=print) -> str:
-    """``model.path`` or the (cached) tiny warm-started policy."""
-    if cfg.model.path:
-        return str(Path(cfg.model.path).resolve())
-    from reflow.policies.tiny import ensure_tiny_model
-
-    return str(ensure_tiny_model(cfg.model, cfg.env, cfg.run.seed, progress=progress,
-                                 threads=cfg.resources.torch_threads).resolve())
-
-
-def _engine_settings(cfg: ReflowConfig, model_dir: str) -> EngineSettings:
-    tok = _tokenizer(model_dir)
-    return EngineSettings(model_dir=model_dir, dtype=cfg.model.dtype, temperature=cfg.rollout.temperature,
-                          eos_token_id=int(tok.eos_token_id), max_model_len=model_max_len(model_dir),
-                          max_concurrent_sequences=cfg.rollout.max_concurrent_sequences, seed=cfg.run.seed,
-                          kv_cache_gib=cfg.rollout.kv_cache_gib, enforce_eager=cfg.rollout.enforce_eager,
-                          threads=cfg.resources.torch_threads, keep_kv_on_update=cfg.rollout.kv_on_update == "keep",
-                          cpu_linear=cfg.rollout.cpu_linear, warm_up=cfg.rollout.warm_up)
 
 
 @task(name="prepare", cache_policy=NO_CACHE)
@@ -77,11 +72,9 @@ def prepare(config_json: str, run_dir: str, run_id: str, resume: bool = False) -
     namespace = f"reflow-{run_id}"
     print(f"starting Ray and workers ({cfg.rollout.engine} engine, torch trainer)...", flush=True)
     start_ray(cfg, namespace, verbose=os.environ.get("REFLOW_VERBOSE") == "1")
-    tool_fn = None
-    if cfg.tools.max_calls:
-        from reflow.envs.tools import run_tool_call as tool_fn
-    placement = launch_workers(cfg, namespace, model_dir, store_root, _engine_settings(cfg, model_dir),
-                               run_dir=str(Path(run_dir).resolve()), run_id=run_id, tool_fn=tool_fn)
+    placement = launch_workers(cfg, namespace, model_dir, store_root, engine_settings(cfg, model_dir),
+                               run_dir=str(Path(run_dir).resolve()), run_id=run_id,
+                               tool_fn=run_tool_call if cfg.tools.max_calls else None)
     tracking_uri = default_tracking_uri(cfg)
     tracker = make_tracker(tracking_uri, cfg.tracking.experiment, Path(cfg.run.out_dir))
     if previous is not None and previous.mlflow_run_id is not None:
@@ -124,7 +117,7 @@ def prepare_eval(run_dir: str) -> str:
     if not (final / "config.json").is_file():
         raise ValueError(f"{run_dir} has no final model (final_model/config.json): the run did not finish")
     start_ray(cfg, record.namespace, verbose=os.environ.get("REFLOW_VERBOSE") == "1")
-    launch_workers(cfg, record.namespace, str(final), record.store_root, _engine_settings(cfg, str(final)))
+    launch_workers(cfg, record.namespace, str(final), record.store_root, engine_settings(cfg, str(final)))
     return str(final)
 
 
@@ -164,14 +157,12 @@ def restore(run_dir: str) -> Restored:
     return Restored(first_step=step + 1, version=version, checkpoint=str(path))
 
 
-def recorded_baseline(run_dir: str) -> "EvalSummary | None":
+def recorded_baseline(run_dir: str) -> EvalStats | None:
     """The warm-start evaluation a killed attempt recorded with its steps (None: it recorded none)."""
-    from reflow.tasks.rollout import EvalSummary
-
     for rec in read_steps(run_dir):
         if "eval_accuracy_baseline" in rec.metrics:
-            return EvalSummary(step=-1, accuracy=rec.metrics["eval_accuracy_baseline"], reward_mean=float("nan"),
-                               length_mean=float("nan"), seconds=0.0)
+            return EvalStats(step=-1, eval_accuracy=rec.metrics["eval_accuracy_baseline"],
+                             eval_reward_mean=float("nan"), eval_response_length_mean=float("nan"), eval_seconds=0.0)
     return None
 
 
@@ -235,6 +226,52 @@ def snapshot(run_dir: str, step: int, version: int, weights: object = None) -> S
     return Snapshot(step, version, weights)
 
 
+def keep_step(cfg: ReflowConfig, run_dir: str, step: int, last: int, version: int,
+              snapshots: list[Snapshot] | None, weights: object = None) -> None:
+    """After a step: snapshot the weights (or ``weights``, a reference to them) for a deferred evaluation when one
+    is due (``snapshots``: None when evaluation is inline), save a checkpoint when one is due."""
+    if snapshots is not None and cfg.eval_due(step, last):
+        snapshots.append(snapshot(run_dir, step, version, weights))
+    if cfg.checkpoint_due(step, last):
+        checkpoint(run_dir, step)
+
+
+class StepRecorder:
+    """What the streaming selector does with a finished step: log it off the trainer's path, snapshot, checkpoint.
+
+    ``last_step`` tells the run's last step as it is known now (a budget of
+    new groups can end the run early). A checkpointed step is logged before
+    its checkpoint, so a resume continues after it.
+    """
+
+    def __init__(self, cfg: ReflowConfig, run_dir: str, baseline: EvalStats | None,
+                 last_step: Callable[[], int]) -> None:
+        self.cfg, self.run_dir, self.baseline, self.last_step = cfg, run_dir, baseline, last_step
+        self.tracks = TrackQueue()
+        self.snapshots: list[Snapshot] = []
+
+    def checkpoints(self, step: int) -> bool:
+        """Whether recording ``step`` saves a checkpoint (it then uses the trainer)."""
+        return self.cfg.checkpoint_due(step, self.last_step())
+
+    def on_step(self, step: int, elapsed_s: float, metrics: StepMetrics, weights: object) -> None:
+        """Step ``step`` is trained and its weights (``weights``, a reference) are on their way to the engines."""
+        if self.baseline is not None:
+            metrics = dataclasses.replace(metrics, eval_accuracy_baseline=self.baseline.eval_accuracy)
+        version = metrics.train.version
+        self.tracks.submit(self.run_dir, StepRecord(step=step, policy_version=version, elapsed_s=elapsed_s,
+                                                    metrics=metrics.as_dict()))
+        if self.checkpoints(step):
+            self.tracks.drain()
+        keep_step(self.cfg, self.run_dir, step, self.last_step(), version, self.snapshots, weights)
+
+    def drain(self) -> None:
+        self.tracks.drain()
+
+    def close(self) -> None:
+        self.tracks.close()
+
+
 def abort_generation(run_dir: str) -> None:
     """Abort what the engines still have in flight (the streaming modes stop mid-stream)."""
     ctx = context(run_dir)
@@ -249,17 +286,14 @@ def evaluate_snapshots(run_dir: str, snapshots: list[Snapshot]) -> int:
     """
     if not snapshots:
         return 0
-    from reflow.tasks.rollout import evaluate
-
     ctx = context(run_dir)
     engines = [actor(name, ctx.record.namespace) for name in ctx.record.engines]
     figures: dict[int, dict[str, float]] = {}
     for snap in snapshots:
         ray.get([e.update_weights.remote(snap.weights, snap.version) for e in engines])
         ev = evaluate.fn(run_dir, snap.step)
-        figures[snap.step] = {"eval_accuracy": ev.accuracy, "eval_reward_mean": ev.reward_mean,
-                              "eval_response_length_mean": ev.length_mean, "eval_seconds": ev.seconds}
-        print(f"eval step {snap.step + 1:>4}: held-out accuracy {ev.accuracy:.3f}", flush=True)
+        figures[snap.step] = metric_values(ev)
+        print(f"eval step {snap.step + 1:>4}: held-out accuracy {ev.eval_accuracy:.3f}", flush=True)
     trainer = actor(ctx.record.trainer, ctx.record.namespace)
     current = trainer.export_weights.remote()
     version = ray.get(trainer.version.remote())

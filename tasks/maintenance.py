@@ -5,18 +5,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from reflow.infra.runlock import WriterInfo, live_writers
+from reflow.infra.runlock import LiveWriterError, describe_writers, live_writers
 from reflow.storage.delta_store import DeltaTrajectoryStore
-
-
-class LiveWriterError(RuntimeError):
-    """A run is writing to the tables; maintenance refuses to vacuum under it."""
-
-
-def describe_writers(writers: list[WriterInfo]) -> str:
-    """One line per live writer: run, pid, host, last heartbeat, lock file."""
-    return "\n".join(f"  run {w.run_id} (pid {w.pid} on {w.host}, heartbeat {w.heartbeat_at}) holds {w.path}"
-                     for w in writers)
 
 
 @task(name="check_writers", cache_policy=NO_CACHE)

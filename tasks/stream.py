@@ -1,14 +1,15 @@
 """Tasks and loop backends of the streaming modes (``async``, ``reflow``).
 
-The control plane (``infra.loops``) drives two backends built here:
+The control plane (``control.streaming``) drives two backends built here:
 ``RayFeeder`` (the engine actor and the ``write_groups`` task) and
 ``RaySelector`` (the buffer's query, the ``start_update`` and ``push_weights`` tasks).
 Group ``g`` of the stream is train prompt ``g`` (the same prompts, in the same
-order, that the sync modes use), with request ids ``g<g>/<prompt id>/<k>``.
+order, that the sync modes use), with round tag ``g<g>`` (``storage.schema.SampleId``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -18,19 +19,21 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from reflow.infra.loops import ConcurrencyController, Drained, Finished, LoopState
-from reflow.infra.selector import StepOutcome
-from reflow.infra.run import StepRecord
-from reflow.infra.workers import actor
+from reflow.control.concurrency import ConcurrencyController
+from reflow.control.feeder import Drained, Finished
+from reflow.control.selector import StepOutcome
+from reflow.control.state import LoopState
+from reflow.control.streaming import StreamStart
+from reflow.infra.placement import actor
 from reflow.policies.offpolicy import replay_weight
-from reflow.storage import replay
-from reflow.storage.replay import CachedTables, ReplayPolicy, ReplaySelection, select_batch
-from reflow.storage.delta_store import TRAJECTORIES, USAGE
-from reflow.storage.sampler import _quote
+from reflow.storage import queries
+from reflow.storage.metrics import StepMetrics, StepTimes, StreamStats
+from reflow.storage.replay import ReplayPolicy, ReplaySelection, select_batch
+from reflow.storage.schema import SampleId, group_stream_position, stream_tag
+from reflow.storage.store import TRAJECTORIES, USAGE
 from reflow.tasks.context import TaskContext, context, mark_origin, step_clock, step_cpu_idle
-from reflow.tasks.rollout import _records, _requests
-from reflow.tasks.update import PendingUpdate, UpdateSummary, finish_update, prefetch_batch, push_weights, \
-    start_update
+from reflow.tasks.rollout import requests_for, scored_records
+from reflow.tasks.update import PendingUpdate, UpdateSummary, finish_update, prefetch_batch, push_weights, start_update
 
 
 @dataclass(frozen=True)
@@ -43,13 +46,8 @@ class WriteSummary:
 
 
 def group_of(request_id: str) -> int:
-    """The stream position ``g`` of a request id ``g<g>/<prompt id>/<k>``."""
-    return int(request_id.split("/", 1)[0].removeprefix("g"))
-
-
-def _stream_position(group_id: str) -> int:
-    """``g`` of a streaming group id ``<run id>/g<g>/<prompt id>``."""
-    return int(group_id.rsplit("/", 2)[1].removeprefix("g"))
+    """The stream position of a streaming request."""
+    return SampleId.parse(request_id).stream_position
 
 
 @task(name="write_groups", cache_policy=NO_CACHE)
@@ -66,47 +64,30 @@ def write_groups(run_dir: str, chunk: int, results: Any) -> WriteSummary:
     prompts = {g: ctx.env.prompts("train", start=g, count=1)[0] for g in groups}
     tokens = dict(zip(groups, ctx.tokenizer([prompts[g].text for g in groups],
                                             add_special_tokens=False)["input_ids"]))
-    records = _records(ctx, chunk, [(prompts[group_of(r.request_id)], list(tokens[group_of(r.request_id)]), r)
+    records = scored_records(ctx, chunk, [(prompts[group_of(r.request_id)], list(tokens[group_of(r.request_id)]), r)
                                     for r in finished])
     version = ctx.store.append_trajectories(records, app_id=f"{ctx.record.run_id}:trajectories", txn_version=chunk)
     return WriteSummary(chunk=chunk, groups=len(groups), samples=len(records), delta_version=version,
                         seconds=ctx.clock.now() - start)
 
 
-@dataclass(frozen=True)
-class StreamPosition:
-    """Where a resumed streaming run's feeder continues, rebuilt from the tables."""
-
-    next_group: int  # first stream position not written yet
-    next_chunk: int  # next write_groups transaction
-    written_groups: int
-    unused: dict[int, int]  # written groups never trained on -> their oldest policy version
-
-
-def stream_position(run_dir: str) -> StreamPosition:
-    """The feeder's position after what a killed attempt wrote (groups in flight then are skipped)."""
+def stream_position(run_dir: str) -> StreamStart:
+    """Where the feeder continues: after what a killed attempt wrote (groups in flight then are skipped)."""
     ctx = context(run_dir)
-    run = _quote(ctx.record.run_id)
     done = ctx.store.committed(TRAJECTORIES, f"{ctx.record.run_id}:trajectories")
     if done is None:
-        return StreamPosition(0, 0, 0, {})
-    groups = ctx.store.query(f"SELECT group_id, MIN(policy_version) AS version FROM {TRAJECTORIES} "
-                             f"WHERE run_id = {run} GROUP BY group_id").to_pylist()
-    used: set[str] = set()
-    if ctx.store.table_versions()[USAGE] >= 0:
-        used = {r["group_id"] for r in ctx.store.query(
-            f"SELECT DISTINCT t.group_id FROM {USAGE} u JOIN {TRAJECTORIES} t ON u.trajectory_id = t.trajectory_id "
-            f"WHERE u.run_id = {run}").to_pylist()}
-    positions = [_stream_position(r["group_id"]) for r in groups]
-    unused = {_stream_position(r["group_id"]): r["version"] for r in groups if r["group_id"] not in used}
-    return StreamPosition(next_group=max(positions, default=-1) + 1, next_chunk=done + 1,
+        return StreamStart()
+    groups = queries.written_groups(ctx.store, ctx.record.run_id)
+    used = queries.trained_group_ids(ctx.store, ctx.record.run_id)
+    unused = {group_stream_position(g): version for g, version in groups.items() if g not in used}
+    return StreamStart(next_group=max(map(group_stream_position, groups), default=-1) + 1, next_chunk=done + 1,
                           written_groups=len(groups), unused=unused)
 
 
 def trained_groups(run_dir: str, before_step: int) -> int:
     """Groups the usage log records as trained on by steps before ``before_step`` (``run.max_new_groups``)."""
     ctx = context(run_dir)
-    return replay.trained_groups(ctx.store, ctx.record.run_id, before_step)
+    return queries.trained_groups(ctx.store, ctx.record.run_id, before_step)
 
 
 class PendingRequests:
@@ -180,7 +161,7 @@ class RayFeeder:
         for g in groups:
             i = load.index(min(load))
             prompt = self.ctx.env.prompts("train", start=g, count=1)
-            batches[i] += _requests(self.ctx, prompt, self.samples_per_group, f"g{g}")
+            batches[i] += requests_for(self.ctx, prompt, self.samples_per_group, stream_tag(g))
             load[i] += self.samples_per_group
         for pending, requests in zip(self.pending, batches):
             if requests:
@@ -251,7 +232,6 @@ class RaySelector:
                                    replay_ratio=b.replay_ratio if replay else 0.0,
                                    max_reuse=b.max_reuse if replay else 1, replay_order=b.replay_order)
         self.weight_fn = (lambda reuse, age: replay_weight(reuse, age, b.reuse_decay, b.staleness_decay))
-        self.tables = CachedTables(self.ctx.store)
         self.state, self.controller, self.on_step = state, controller, on_step
         self.tokens_by_engine = tokens_by_engine  # the feeder's running counts (main engine first)
         self.checkpoints = checkpoints  # step -> whether recording it saves a checkpoint
@@ -261,7 +241,7 @@ class RaySelector:
         # Where the selector's time goes between two updates (trainer idle), seconds; the log of step k is
         # known only after it, so each step reports the previous step's logging time.
         self.phase_s = {"select": 0.0, "push": 0.0, "log": 0.0}
-        self._trained: dict[int, tuple[ReplaySelection, UpdateSummary, StepRecord]] = {}  # trained, not recorded
+        self._trained: dict[int, tuple[float, StepMetrics]] = {}  # trained, not recorded: (elapsed, figures)
         # A resumed run: steps up to this one were logged to usage by the killed attempt (the log is written as
         # the trainer starts a step, so the last may not have finished); they train again on their logged batches.
         self.recorded_until = self.ctx.store.committed(USAGE, f"{self.ctx.record.run_id}:usage")
@@ -270,17 +250,17 @@ class RaySelector:
         started = self.ctx.clock.now()
         try:
             if self.recorded_until is not None and step <= self.recorded_until:
-                recorded = replay.recorded_selection(self.ctx.store, self.ctx.record.run_id, step)
+                recorded = queries.recorded_selection(self.ctx.store, self.ctx.record.run_id, step)
                 if recorded is not None:
                     return recorded
-            return select_batch(self.tables, self.ctx.record.run_id, trainer_version,
+            return select_batch(self.ctx.store, self.ctx.record.run_id, trainer_version,
                                 self.ctx.cfg.rollout.prompts_per_step, self.policy, self.weight_fn,
                                 samples_per_prompt=self.ctx.cfg.rollout.samples_per_prompt)
         finally:
             self.phase_s["select"] = self.ctx.clock.now() - started  # the last query of the step counts
 
     def consumed(self, selection: ReplaySelection) -> tuple[int, ...]:
-        return tuple(sorted({_stream_position(g) for g, kind in zip(selection.group_ids, selection.kinds)
+        return tuple(sorted({group_stream_position(g) for g, kind in zip(selection.group_ids, selection.kinds)
                              if kind != "replay"}))
 
     def prefetch(self, selection: ReplaySelection) -> None:
@@ -297,7 +277,7 @@ class RaySelector:
         step = pending.step
         # before any later call reaches the trainer: the push and the eval snapshot of this step use these
         self._weights[updated.version] = self.trainer.export_weights.remote()
-        self._trained[step] = (selection, updated, self._step_metrics(step, selection, updated))
+        self._trained[step] = self._step_metrics(selection, updated)
         return StepOutcome(version=updated.version, groups=len(set(selection.group_ids)),
                            consumed=self.consumed(selection))
 
@@ -310,20 +290,22 @@ class RaySelector:
         return bool(self.checkpoints(step))
 
     def record(self, step: int) -> None:
-        selection, updated, metrics = self._trained.pop(step)
-        m = metrics.metrics
-        m["select_seconds"], m["push_seconds"] = self.phase_s["select"], self.phase_s["push"]
-        m["previous_log_seconds"] = self.phase_s["log"]
+        elapsed, metrics = self._trained.pop(step)
+        stream = dataclasses.replace(metrics.stream, select_seconds=self.phase_s["select"],
+                                     push_seconds=self.phase_s["push"], previous_log_seconds=self.phase_s["log"])
         started = self.ctx.clock.now()
-        self.on_step(step, selection, updated, metrics, self._weights.pop(updated.version))
+        self.on_step(step, elapsed, dataclasses.replace(metrics, stream=stream),
+                     self._weights.pop(metrics.train.version))
         self.phase_s["log"] = self.ctx.clock.now() - started
 
-    def _step_metrics(self, step: int, sel: ReplaySelection, updated: UpdateSummary) -> StepRecord:
-        """Idle fractions, staleness, replay and concurrency of one streaming step."""
+    def _step_metrics(self, sel: ReplaySelection, updated: UpdateSummary) -> tuple[float, StepMetrics]:
+        """(seconds since the training clock started, the step's figures): idle fractions, staleness, replay and
+        concurrency of one streaming step."""
         elapsed, step_s = step_clock(self.run_dir, self.ctx.clock.now())
         step_s = max(step_s, 1e-9)
         with self.state.cond:
             busy, tokens = self.state.engine_busy_s, self.state.generated_tokens
+            expired, abandoned = self.state.groups_expired, self.state.groups_abandoned
         elastic = sum(self.tokens_by_engine[1:])
         busy_d, tokens_d = busy - self.seen.engine_busy_s, tokens - self.seen.generated_tokens
         elastic_d = elastic - self.seen.elastic_tokens
@@ -331,38 +313,22 @@ class RaySelector:
         kinds = Counter(sel.kinds)
         staleness = np.asarray(sel.staleness, dtype=float)
         reuse = np.asarray(sel.reuse_counts, dtype=float)
-        b = updated.batch
-        m = {
-            "reward_mean": b.reward_mean, "accuracy": b.accuracy, "response_length_mean": b.length_mean,
-            "response_length_p50": b.length_p50, "response_length_p99": b.length_p99,
-            "loss": updated.loss, "kl": updated.kl, "entropy": updated.entropy, "grad_norm": updated.grad_norm,
-            "clip_fraction": updated.clip_fraction, "importance_ratio_mean": updated.ratio_mean,
-            "learning_rate": updated.learning_rate,
-            "generated_tokens": float(tokens_d), "trained_tokens": float(updated.trained_tokens),
-            "skipped_tokens": float(updated.skipped_tokens),
-            "generated_tokens_per_s": tokens_d / step_s,
-            "elastic_token_share": min(1.0, elastic_d / max(tokens_d, 1)),  # generated by elastic engines
-            "engine_tokens_per_s": tokens_d / max(busy_d, 1e-9),
-            "trained_tokens_per_s": updated.trained_tokens / max(updated.trainer_seconds, 1e-9),
-            "step_seconds": step_s, "update_seconds": updated.seconds, "trainer_read_seconds": updated.read_seconds,
-            "trainer_batch_prefetched": float(updated.prefetched),
-            "generator_idle_fraction": min(1.0, max(0.0, 1.0 - busy_d / step_s)),
-            "trainer_idle_fraction": min(1.0, max(0.0, 1.0 - updated.trainer_seconds / step_s)),
-            "staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
-            "staleness_max": float(staleness.max()) if staleness.size else 0.0,
-            "replay_share": sel.replay_share, "reuse_mean": float(reuse.mean()) if reuse.size else 0.0,
-            "reuse_max": float(reuse.max()) if reuse.size else 0.0,
-            "fresh_samples": float(kinds["fresh"]), "stale_samples": float(kinds["stale"]),
-            "replayed_samples": float(kinds["replay"]), "concurrency_target": float(self.controller.target),
-            "groups_expired": float(self.state.groups_expired),
-            "groups_abandoned": float(self.state.groups_abandoned),
-            "policy_version": float(updated.version), "samples": float(len(sel.trajectory_ids)),
-            "usage_delta_version": float(updated.usage_delta_version if updated.usage_delta_version is not None
-                                         else -1),
-        }
-        for age in range(self.policy.max_staleness_versions + 1):
-            m[f"staleness_hist_{age}"] = float(np.sum(staleness == age))
-        cpu_idle = step_cpu_idle(self.run_dir)
-        if cpu_idle is not None:
-            m["machine_cpu_idle_fraction"] = cpu_idle
-        return StepRecord(step=step, policy_version=updated.version, elapsed_s=elapsed, metrics=m)
+        train = updated.train
+        times = StepTimes(
+            step_seconds=step_s, update_seconds=updated.seconds,
+            generator_idle_fraction=min(1.0, max(0.0, 1.0 - busy_d / step_s)),
+            trainer_idle_fraction=min(1.0, max(0.0, 1.0 - train.trainer_seconds / step_s)),
+            generated_tokens=tokens_d, generated_tokens_per_s=tokens_d / step_s,
+            trained_tokens_per_s=train.trained_tokens / max(train.trainer_seconds, 1e-9),
+            elastic_token_share=min(1.0, elastic_d / max(tokens_d, 1)),
+            staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
+            staleness_max=int(staleness.max()) if staleness.size else 0, policy_version=updated.version,
+            samples=len(sel.trajectory_ids), machine_cpu_idle_fraction=step_cpu_idle(self.run_dir),
+            usage_delta_version=updated.usage_delta_version if updated.usage_delta_version is not None else -1)
+        stream = StreamStats(
+            engine_tokens_per_s=tokens_d / max(busy_d, 1e-9), replay_share=sel.replay_share,
+            reuse_mean=float(reuse.mean()) if reuse.size else 0.0, reuse_max=float(reuse.max()) if reuse.size else 0.0,
+            fresh_samples=kinds["fresh"], stale_samples=kinds["stale"], replayed_samples=kinds["replay"],
+            concurrency_target=self.controller.target, groups_expired=expired, groups_abandoned=abandoned,
+            staleness_hist=tuple(int(np.sum(staleness == age)) for age in range(self.policy.max_staleness_versions + 1)))
+        return elapsed, StepMetrics(batch=train.batch, train=train, times=times, stream=stream)

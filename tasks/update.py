@@ -15,36 +15,30 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from reflow.infra.placement import actor
 from reflow.infra.run import checkpoint_dir
-from reflow.infra.workers import BatchStats, actor
+from reflow.storage.metrics import TrainStep
 from reflow.storage.replay import ReplaySelection
 from reflow.storage.sampler import BatchSelection, sync_batch
-from reflow.storage.schema import Usage
 from reflow.tasks.context import context
 
 
 @dataclass(frozen=True)
 class UpdateSummary:
+    """One trainer step as the update task saw it: the trainer's own record and the usage log's."""
+
     step: int
-    version: int  # trainer version after the update
+    train: TrainStep  # as the trainer actor returned it
     num_samples: int
-    loss: float
-    kl: float
-    entropy: float
-    grad_norm: float
-    clip_fraction: float
-    ratio_mean: float
-    trained_tokens: int  # loss tokens trained on (forward and backward)
-    skipped_tokens: int  # loss tokens of samples skipped because their gradient is exactly zero
-    trainer_seconds: float
-    read_seconds: float  # the trainer actor reading its batch from Delta, before computing
     usage_delta_version: int | None  # None: already written by an earlier attempt
     staleness_mean: float  # trainer version minus generating version, over the batch
     staleness_max: int
-    seconds: float
-    batch: BatchStats  # rewards and lengths of the rows trained on
-    prefetched: bool = False  # the trainer had read the batch while the step before computed (reflow)
-    learning_rate: float = 0.0  # the step's learning rate
+    seconds: float  # the task's: usage log, trainer and transfer
+
+    @property
+    def version(self) -> int:
+        """The trainer's version after the step."""
+        return self.train.version
 
 
 @dataclass(frozen=True)
@@ -61,7 +55,7 @@ class PendingUpdate:
     trainer_version: int  # the trainer's version when the step starts
     staleness: tuple[int, ...]  # per sample: trainer_version minus its generating version
     usage_delta_version: int | None
-    result: Any  # ray.ObjectRef of the actor's TrainResult
+    result: Any  # ray.ObjectRef of the actor's TrainStep
     started: float
 
 
@@ -92,9 +86,7 @@ def _start(run_dir: str, step: int, selection: BatchSelection | None, trainer_ve
     # The usage rows are known before the step: log them while the trainer computes (the trainer waited for
     # this commit before). A kill between the two leaves a logged step that a resume trains again, with the
     # logged batch, as it does for any step after the newest checkpoint.
-    usage = [Usage(run_id=ctx.record.run_id, trajectory_id=tid, trainer_step=step, trainer_version=trainer_version,
-                   loss_weight=w, staleness=trainer_version - v)
-             for tid, w, v in zip(batch.trajectory_ids, batch.loss_weights, batch.policy_versions)]
+    usage = batch.usage_rows(ctx.record.run_id, step, trainer_version)
     usage_version = ctx.store.append_usage(usage, app_id=f"{ctx.record.run_id}:usage", txn_version=step)
     return PendingUpdate(step=step, trainer_version=trainer_version, staleness=tuple(u.staleness for u in usage),
                          usage_delta_version=usage_version, result=result, started=start)
@@ -105,18 +97,11 @@ def finish_update(run_dir: str, pending: PendingUpdate, timeout: float | None = 
     if timeout is not None and not ray.wait([pending.result], timeout=max(0.0, timeout))[0]:
         return None
     ctx = context(run_dir)
-    result = ray.get(pending.result)
-    metrics, staleness = result.metrics, pending.staleness
-    return UpdateSummary(step=pending.step, version=metrics.version, num_samples=len(staleness), loss=metrics.loss,
-                         kl=metrics.kl, entropy=metrics.entropy, grad_norm=metrics.grad_norm,
-                         clip_fraction=metrics.clip_fraction, ratio_mean=metrics.ratio_mean,
-                         trained_tokens=metrics.trained_tokens, skipped_tokens=metrics.skipped_tokens,
-                         trainer_seconds=metrics.seconds, read_seconds=result.read_seconds,
+    staleness = pending.staleness
+    return UpdateSummary(step=pending.step, train=ray.get(pending.result), num_samples=len(staleness),
                          usage_delta_version=pending.usage_delta_version,
-                         staleness_mean=sum(staleness) / max(len(staleness), 1),
-                         staleness_max=max(staleness, default=0),
-                         seconds=ctx.clock.now() - pending.started, batch=result.batch,
-                         prefetched=result.prefetched, learning_rate=metrics.learning_rate)
+                         staleness_mean=sum(staleness) / max(len(staleness), 1), staleness_max=max(staleness, default=0),
+                         seconds=ctx.clock.now() - pending.started)
 
 
 @task(name="update", cache_policy=NO_CACHE)

@@ -4,9 +4,9 @@ import statistics
 
 import pytest
 
+from reflow.config.schema import EnvConfig
 from reflow.envs.arith import ArithEnv, is_eval_text, parse_terms
 from reflow.envs.base import Prompt, make_env
-from reflow.infra.config import EnvConfig
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from reflow.config.schema import EnvConfig
 from reflow.envs.base import make_env
 from reflow.envs.code_env import INSTRUCTION, CodeEnv, extract_program
 from reflow.envs.datasets import DatasetError
-from reflow.infra.config import EnvConfig
 
 FIXTURES = Path(__file__).resolve().parents[2] / "envs" / "fixtures"
 

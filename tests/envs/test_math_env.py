@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from reflow.config.schema import EnvConfig
 from reflow.envs.base import make_env
 from reflow.envs.datasets import DatasetError, render_messages
 from reflow.envs.math_env import MathEnv
-from reflow.infra.config import EnvConfig
 from reflow.policies.tokenizer import build_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[2] / "envs" / "fixtures"

@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from reflow.envs.base import Score
-from reflow.envs.math_verify import (_call_with_deadline, answers_equal, extract_boxed,
-                                     extract_final_answer, math_score)
+from reflow.envs.math_verify import _call_with_deadline, answers_equal, extract_boxed, extract_final_answer, math_score
 
 EQUAL = [
     ("\\frac{1}{2}", "0.5"),

@@ -20,8 +20,7 @@ import psutil
 import pytest
 
 import reflow
-from reflow.envs.sandbox import (RunResult, SandboxLimits, TestReport, outputs_match, run_program,
-                                 run_tests)
+from reflow.envs.sandbox import RunResult, SandboxLimits, TestReport, outputs_match, run_program, run_tests
 
 FAST = SandboxLimits(cpu_seconds=1, wall_seconds=2)
 ESCAPED = "ESCAPED"  # what a hostile program prints when its attack worked: the expected output

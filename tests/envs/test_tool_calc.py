@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from reflow.config.schema import EnvConfig
 from reflow.envs.base import make_env
 from reflow.envs.tool_calc import DIRECT_SHARE, ToolCalcEnv
 from reflow.envs.tools import output_spans, run_tool_call
-from reflow.infra.config import EnvConfig
 
 
 @pytest.fixture

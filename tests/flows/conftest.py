@@ -47,7 +47,7 @@ class Attempt:
 
     def __init__(self, args: list[str], cwd: Path, ray_tmp: str) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(cwd / "prefect"), "RAY_TMPDIR": ray_tmp}
-        self.proc = subprocess.Popen([sys.executable, "-m", "reflow.infra.cli", *args], cwd=cwd, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "reflow.cli.main", *args], cwd=cwd, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines: list[str] = []
@@ -125,7 +125,7 @@ def ray_tmp() -> Iterator[str]:
 
 @pytest.fixture
 def reflow_process(ray_tmp: str) -> Iterator:
-    """Start ``python -m reflow.infra.cli ARGS`` in ``cwd`` as an ``Attempt`` (Ray under ``ray_tmp``).
+    """Start ``python -m reflow.cli.main ARGS`` in ``cwd`` as an ``Attempt`` (Ray under ``ray_tmp``).
 
     Afterwards (also when the test failed half-way) whatever is left of each attempt's session is killed.
     """

@@ -22,7 +22,7 @@ def _kill_worker(run, role: str, worker_pid) -> int:
     assert pid is not None, f"no {role} process:\n{run.output()}"
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
-    while (new := worker_pid(run.proc.pid, role)) in (None, pid):
+    while worker_pid(run.proc.pid, role) in (None, pid):
         assert run.proc.poll() is None, f"the run ended after {role} died:\n{run.output()}"
         assert time.monotonic() < deadline, f"{role} was not restarted:\n{run.output()}"
         time.sleep(0.2)

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(cwd / "prefect")}
-    return subprocess.run([sys.executable, "-m", "reflow.infra.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "reflow.cli.main", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

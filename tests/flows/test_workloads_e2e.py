@@ -28,7 +28,7 @@ def _run(workload: str, extra: list[str], tmp_path: Path) -> tuple[Path, Path]:
     for item in sets:
         args += ["--set", item]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
-    proc = subprocess.run([sys.executable, "-m", "reflow.infra.cli", *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "-m", "reflow.cli.main", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

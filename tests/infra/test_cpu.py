@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from reflow.infra import bench, cpu
-from reflow.infra.run import StepRecord, append_step
+from reflow.bench import mode_bench
+from reflow.infra import cpu
+from reflow.infra.run import append_step
+from reflow.storage.metrics import StepRecord
 
 
 def test_the_aggregate_line_counts_idle_and_iowait_as_idle_and_leaves_steal_out() -> None:
@@ -57,14 +59,14 @@ def test_the_bench_weighs_each_step_s_idle_share_by_its_length(tmp_path: Path) -
         m = {"eval_accuracy_baseline": 0.2, "eval_accuracy": 0.3, "machine_cpu_idle_fraction": idle,
              "step_seconds": secs, "trainer_idle_fraction": 0.5}
         append_step(run_dir, StepRecord(step=step, policy_version=step + 1, elapsed_s=float(step + 1), metrics=m))
-    r = bench.summarise("reflow", 0, run_dir, None)
+    r = mode_bench.summarise("reflow", 0, run_dir, None)
     assert r.cpu_idle == pytest.approx(0.1)
-    summary = bench.aggregate([r])
+    summary = mode_bench.aggregate([r])
     assert summary["reflow"]["cpu_idle"]["mean"] == pytest.approx(0.1)
-    assert "cpu idle" in bench.table(summary) and " 10%" in bench.table(summary)
+    assert "cpu idle" in mode_bench.table(summary) and " 10%" in mode_bench.table(summary)
     old = tmp_path / "old"  # a run from before the metric: no figure, a dash in the table
     old.mkdir()
     append_step(old, StepRecord(step=0, policy_version=1, elapsed_s=1.0,
                                 metrics={"eval_accuracy_baseline": 0.2, "eval_accuracy": 0.3, "step_seconds": 1.0}))
-    r_old = bench.summarise("sync", 0, old, None)
-    assert r_old.cpu_idle is None and bench.aggregate([r_old])["sync"]["cpu_idle"] is None
+    r_old = mode_bench.summarise("sync", 0, old, None)
+    assert r_old.cpu_idle is None and mode_bench.aggregate([r_old])["sync"]["cpu_idle"] is None

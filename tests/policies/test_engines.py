@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from reflow.infra.config import TrainConfig
-from reflow.policies.engines import EngineSettings, GenBatch, GenRequest, generate_all, merge_batches
+from reflow.config.schema import TrainConfig
+from reflow.policies.engines import EngineSettings, generate_all, merge_batches
 from reflow.policies.hf_engine import TransformersEngine
 from reflow.policies.tokenizer import EOS_ID
 from reflow.policies.trainer import Trainer
+from reflow.storage.schema import GenBatch, GenRequest
 
 
 def _settings(model_dir: Path) -> EngineSettings:
@@ -89,7 +90,9 @@ def test_transformers_engine_resumes_a_partial_rollout(random_model_dir: Path) -
 
 VLLM_SCRIPT = textwrap.dedent('''
     import json, sys, torch
-    from reflow.policies.engines import EngineSettings, GenRequest, VLLMEngine, generate_all
+    from reflow.policies.engines import EngineSettings, generate_all
+    from reflow.policies.vllm_engine import VLLMEngine
+    from reflow.storage.schema import GenRequest
     def main():
         model_dir = sys.argv[1]
         s = EngineSettings(model_dir=model_dir, dtype="float32", temperature=1.0, eos_token_id=2,
@@ -184,7 +187,9 @@ def test_vllm_engine_logprobs_match_trainer_before_and_after_update(random_model
 
 LINEAR_SCRIPT = textwrap.dedent('''
     import json, sys
-    from reflow.policies.engines import EngineSettings, GenRequest, VLLMEngine, generate_all
+    from reflow.policies.engines import EngineSettings, generate_all
+    from reflow.policies.vllm_engine import VLLMEngine
+    from reflow.storage.schema import GenRequest
     import vllm._custom_ops as ops
     def main():
         s = EngineSettings(model_dir=sys.argv[1], dtype="float32", temperature=1.0, eos_token_id=2,
@@ -216,7 +221,9 @@ def test_vllm_cpu_linear_torch_samples_what_onednn_samples(random_model_dir: Pat
 
 KEEP_KV_SCRIPT = textwrap.dedent('''
     import json, sys, torch
-    from reflow.policies.engines import EngineSettings, GenRequest, VLLMEngine
+    from reflow.policies.engines import EngineSettings
+    from reflow.policies.vllm_engine import VLLMEngine
+    from reflow.storage.schema import GenRequest
     def main():
         s = EngineSettings(model_dir=sys.argv[1], dtype="float32", temperature=1.0, eos_token_id=2,
                            max_model_len=512, max_concurrent_sequences=64, seed=0, keep_kv_on_update=True)

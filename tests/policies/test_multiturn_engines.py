@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from reflow.envs.tools import format_output, run_tool_call
-from reflow.infra.multiturn import MultiTurnEngine, ToolSettings
-from reflow.policies.engines import EngineSettings, GenRequest, generate_all
+from reflow.policies.engines import EngineSettings, generate_all
 from reflow.policies.hf_engine import TransformersEngine
+from reflow.policies.multiturn import MultiTurnEngine, ToolSettings
 from reflow.policies.tokenizer import EOS_ID, build_tokenizer
+from reflow.storage.schema import GenRequest
 
 TOK = build_tokenizer()
 PROMPT = "6*7=<code>print(6*7)"
@@ -90,8 +91,10 @@ VLLM_SCRIPT = textwrap.dedent('''
     sys.path.insert(0, sys.argv[3])
     from transformers import AutoModelForCausalLM
     from test_multiturn_engines import PROMPT, TOK, SandboxRunner, _encode, _settings
-    from reflow.infra.multiturn import MultiTurnEngine, ToolSettings
-    from reflow.policies.engines import GenRequest, VLLMEngine, generate_all
+    from reflow.policies.multiturn import MultiTurnEngine, ToolSettings
+    from reflow.storage.schema import GenRequest
+    from reflow.policies.engines import generate_all
+    from reflow.policies.vllm_engine import VLLMEngine
     def main():
         vllm = VLLMEngine(_settings(Path(sys.argv[1])))
         stop = generate_all(vllm, [GenRequest("s", _encode("print(1)"), 32, stop=("</code>",))])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from reflow.infra.clock import VirtualClock
-from reflow.infra.scheduler import RoundGoal, SortedScheduler
-from reflow.policies.engines import GenRequest, GenResult
-from reflow.policies.rounds import RoundRun, run_round
+from reflow.control.clock import VirtualClock
+from reflow.control.sorted_rounds import RoundGoal, SortedScheduler
+from reflow.policies.rounds import run_round
+from reflow.storage.schema import GenRequest, GenResult, RoundRun
 
 
 class StepEngine:

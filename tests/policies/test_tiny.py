@@ -8,12 +8,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from reflow.config.schema import EnvConfig, ModelConfig, TinyModelConfig
 from reflow.envs.arith import ArithEnv
 from reflow.envs.tool_calc import ToolCalcEnv
-from reflow.infra.config import EnvConfig, ModelConfig, TinyModelConfig
 from reflow.policies import tiny as tiny_module
-from reflow.policies.tiny import (IGNORE_INDEX, ensure_tiny_model, lr_factor, noisy_reference, sft_batches,
-                                  tiny_model_key)
+from reflow.policies.tiny import (
+    IGNORE_INDEX,
+    ensure_tiny_model,
+    lr_factor,
+    noisy_reference,
+    sft_batches,
+    tiny_model_key,
+)
 from reflow.policies.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
@@ -129,7 +135,7 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 
 
 def test_arith_cache_keys_ignore_the_fields_of_other_workloads() -> None:
-    from reflow.infra.config import load_config
+    from reflow.config.load import load_config
 
     repo = Path(__file__).resolve().parents[2]
     # the keys of the shipped arith configs before the math/code fields existed (tiny-v3)

@@ -6,10 +6,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from reflow.config.schema import EnvConfig
 from reflow.envs.arith import ArithEnv
-from reflow.infra.config import EnvConfig
-from reflow.policies.tokenizer import (BOS_ID, CHARACTERS, EOS_ID, PAD_ID, UNK_ID, VOCAB_SIZE,
-                                       save_tokenizer)
+from reflow.policies.tokenizer import BOS_ID, CHARACTERS, EOS_ID, PAD_ID, UNK_ID, VOCAB_SIZE, save_tokenizer
 
 
 @pytest.fixture(scope="module")

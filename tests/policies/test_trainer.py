@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reflow.infra.config import TrainConfig
-from reflow.policies.trainer import TrainSample, Trainer, pack_micro_batches
+from reflow.config.schema import TrainConfig
+from reflow.policies.trainer import Trainer, TrainSample, pack_micro_batches
 
 
 def test_pack_micro_batches_respects_budget_and_keeps_every_sample() -> None:
@@ -174,7 +174,7 @@ def test_tool_output_tokens_leave_the_loss_and_its_normaliser(random_model_dir: 
     metrics = trainer.step([TrainSample(prompt, response, behaviour, [1, 0, 1], advantage=2.0, loss_weight=1.0)])
     assert metrics.trained_tokens == 2
     assert metrics.loss == pytest.approx(-1.5 * 2.0, rel=1e-4)
-    assert metrics.ratio_mean == pytest.approx(1.5, rel=1e-4)
+    assert metrics.importance_ratio_mean == pytest.approx(1.5, rel=1e-4)
 
 
 def test_warm_up_changes_nothing_a_step_depends_on(random_model_dir: Path) -> None:
@@ -216,7 +216,7 @@ def test_worker_env_keeps_freed_memory_in_the_process() -> None:
     import subprocess
     import sys
 
-    from reflow.infra.workers import RESIDENT_MALLOC, worker_env
+    from reflow.infra.placement import RESIDENT_MALLOC, worker_env
 
     assert RESIDENT_MALLOC.items() <= worker_env(1).items()
 
@@ -251,8 +251,8 @@ def test_trainer_worker_trains_each_logged_step_once(random_model_dir: Path, tmp
     (Ray re-issues the call a dead trainer was running; its usage rows were
     logged as it started, so the restarted trainer has replayed it already.)
     """
-    from reflow.infra.config import ReflowConfig
-    from reflow.infra.workers import TrainerWorker
+    from reflow.config.schema import ReflowConfig
+    from reflow.infra.actors import TrainerWorker
     from reflow.storage.delta_store import DeltaTrajectoryStore
     from reflow.storage.schema import Trajectory, Usage
 
@@ -269,7 +269,7 @@ def test_trainer_worker_trains_each_logged_step_once(random_model_dir: Path, tmp
     with pytest.raises(RuntimeError, match="version 1 reached the trainer at version 0"):
         worker.train("r", ids, weights, (0, 0), expect_version=1)
     first = worker.train("r", ids, weights, (0, 0), expect_version=0)
-    assert worker.version() == 1 and first.metrics.version == 1
+    assert worker.version() == 1 and first.version == 1
 
     # step 0 was logged, and the trainer died while computing it: a new one replays it from the usage log
     store.append_usage([Usage(run_id="r", trajectory_id=t, trainer_step=0, trainer_version=0, loss_weight=1.0,
@@ -278,15 +278,15 @@ def test_trainer_worker_trains_each_logged_step_once(random_model_dir: Path, tmp
     assert restarted.recover(str(tmp_path / "run"), "r") == 1
     reissued = restarted.train("r", ids, weights, (0, 0), expect_version=0)
     assert restarted.version() == 1, "the re-issued step was trained a second time"
-    assert reissued.metrics.loss == pytest.approx(first.metrics.loss)
+    assert reissued.loss == pytest.approx(first.loss)
     for name, value in restarted.export_weights().items():
         assert torch.equal(value, worker.export_weights()[name]), name
 
 
 def test_trainer_worker_trains_on_the_batch_it_prefetched(random_model_dir: Path, tmp_path: Path) -> None:
     """``prefetch`` reads a batch beside the step under way; ``train`` takes it only for the same batch."""
-    from reflow.infra.config import ReflowConfig
-    from reflow.infra.workers import TrainerWorker
+    from reflow.config.schema import ReflowConfig
+    from reflow.infra.actors import TrainerWorker
     from reflow.storage.delta_store import DeltaTrajectoryStore
     from reflow.storage.schema import Trajectory
 
@@ -308,8 +308,8 @@ def test_trainer_worker_trains_on_the_batch_it_prefetched(random_model_dir: Path
     for (batch, weights), (pre_ids, pre_weights) in zip(batches, prefetch):
         early.prefetch("r", pre_ids, pre_weights, (0, 0))
         got, want = early.train("r", batch, weights, (0, 0)), plain.train("r", batch, weights, (0, 0))
-        assert got.metrics.loss == pytest.approx(want.metrics.loss) and got.batch == want.batch
-        hits.append((got.prefetched, want.prefetched))
+        assert got.loss == pytest.approx(want.loss) and got.batch == want.batch
+        hits.append((got.trainer_batch_prefetched, want.trainer_batch_prefetched))
     assert hits == [(True, False), (True, False), (False, False)]  # logged as trainer_batch_prefetched
     assert early.prefetch_hits == 2 and plain.prefetch_hits == 0
     for name, value in early.export_weights().items():

@@ -11,13 +11,10 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from reflow.storage.delta_store import (
-    DeltaTrajectoryStore,
-    InMemoryTrajectoryStore,
-    StorageError,
-    TrajectoryStore,
-)
+from reflow.storage.delta_store import DeltaTrajectoryStore
+from reflow.storage.memory_store import InMemoryTrajectoryStore
 from reflow.storage.schema import TRAJECTORY_SCHEMA, Trajectory, Usage, trajectories_from_table
+from reflow.storage.store import StorageError, TrajectoryStore
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from reflow.storage.delta_store import DeltaTrajectoryStore
-from reflow.storage.replay import (CachedTables, ReplayPolicy, ReplaySelection, recorded_batch, select_batch,
-                                   recorded_selection, select_batch_sql, trained_groups)
+from reflow.storage.queries import recorded_batch, recorded_selection, trained_groups
+from reflow.storage.replay import ReplayPolicy, ReplaySelection, select_batch, select_batch_sql
 from reflow.storage.schema import Trajectory, Usage
 
 RUN = "run"
@@ -96,7 +96,7 @@ def _check(sel: ReplaySelection, model: Model, tv: int, policy: ReplayPolicy, ne
 def _random_schedule(rng: random.Random, root: Path) -> int:
     """Run one random schedule of appends, selections, usage appends and version advances; return steps."""
     store = DeltaTrajectoryStore(root)
-    source = CachedTables(store) if rng.random() < 0.5 else store
+    source = DeltaTrajectoryStore(root) if rng.random() < 0.5 else store  # a reader with its own kept tables
     policy = ReplayPolicy(max_staleness_versions=rng.choice([0, 1, 2, 3, 3]),
                           replay_ratio=rng.choice([0.0, 0.3, 0.5, 0.75, 1.0, 1.0]),
                           max_reuse=rng.choice([1, 2, 3, 3]), replay_order=rng.choice(["newest", "advantage"]))
@@ -121,7 +121,7 @@ def _random_schedule(rng: random.Random, root: Path) -> int:
         sel = select_batch(source, RUN, tv, needed, policy, _weight, samples_per_prompt=size)
         _check(sel, model, tv, policy, needed, size)
         if sel.trajectory_ids:
-            store.append_usage(sel.usage_rows(RUN, step), app_id="trainer", txn_version=step)
+            store.append_usage(sel.usage_rows(RUN, step, sel.trainer_version), app_id="trainer", txn_version=step)
             model.uses.update(sel.trajectory_ids)
             expected = dict(zip(sel.trajectory_ids, sel.loss_weights))
             assert recorded_batch(source, RUN, step) == pytest.approx(expected)
@@ -233,15 +233,15 @@ def test_incomplete_groups_wait_and_runs_are_separate(tmp_path: Path) -> None:
     assert select_batch(store, "o'ther", 3, 4, policy).trajectory_ids == ["o'ther/0"]
 
 
-def test_sql_is_runnable_text_and_cached_tables_follow_new_commits(tmp_path: Path) -> None:
+def test_sql_is_runnable_text_and_kept_tables_follow_new_commits(tmp_path: Path) -> None:
     store = DeltaTrajectoryStore(tmp_path)
-    cached = CachedTables(store)
+    cached = DeltaTrajectoryStore(tmp_path)  # another reader: it keeps its tables open between queries
     assert cached.table_versions() == {"trajectories": -1, "usage": -1, "rollout_cache": -1}
     store.append_trajectories(_group("a", 0, 2), app_id="f", txn_version=0)
     sql = select_batch_sql(RUN, 0, 2, ReplayPolicy(0, 0.5, 2))
     assert "policy_version >= 0 AND policy_version <= 0" in sql and "trainer_version >= 0" in sql
     assert select_batch(cached, RUN, 0, 2, ReplayPolicy(0, 0.5, 2)).group_ids == ["a", "a"]
-    store.append_usage(select_batch(store, RUN, 0, 2, ReplayPolicy(0, 0.5, 2)).usage_rows(RUN, 0),
+    store.append_usage(select_batch(store, RUN, 0, 2, ReplayPolicy(0, 0.5, 2)).usage_rows(RUN, 0, 0),
                        app_id="t", txn_version=0)
     store.append_trajectories(_group("b", 0, 2), app_id="f", txn_version=1)
     assert store.query(sql).column("trajectory_id").to_pylist() == ["b/0", "b/1", "a/0", "a/1"]

@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from reflow.storage.delta_store import DeltaTrajectoryStore, StorageError
+from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.sampler import sync_batch
 from reflow.storage.schema import Trajectory
+from reflow.storage.store import StorageError
 
 
 def _traj(run: str, step: int, prompt: int, k: int) -> Trajectory:

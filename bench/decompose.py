@@ -1,0 +1,93 @@
+"""Where a mode's speedup comes from, and how far the machine lets it go.
+
+``bench.mode_bench`` splits time to target into ``samples_to_target /
+new_samples_per_s_to_target``. Here the rate is split once more, by the
+machine's CPU (``cpu_idle``: the share of all cores idle over the run). Of
+mode ``m`` against a reference ``r`` (same seed, same invocation)::
+
+    speedup = T_r / T_m = data * utilisation * efficiency
+    data        = S_r / S_m                       new samples to target (replay, staleness, batch shape)
+    utilisation = (1 - i_m) / (1 - i_r)           busy share of the machine (the overlap)
+    efficiency  = (R_m / R_r) / utilisation       new samples per busy machine-second (the inverse of what a
+                                                  new sample costs: generation, training, replays, control)
+
+with ``S`` samples to target, ``R = S / T`` new samples per second to
+target and ``i`` the run's CPU idle share. ``efficiency`` is the residual,
+so the product is the measured speedup exactly; ``i`` is the whole run's, so
+``utilisation`` is the part the overlap explains as far as the run's mean
+load tells it.
+
+On a machine where every role shares the same cores, overlapping loops can
+only put idle CPU to work: ``utilisation <= 1 / (1 - i_r)`` (``ceiling``),
+reached when the mode leaves no core idle. Any speedup beyond it must come
+from ``data * efficiency``: fewer new samples, or cheaper ones (the
+overlap can help there too: an engine kept at high concurrency decodes more
+tokens per CPU-second than a round's tail). ``needed`` is the ``data *
+efficiency`` a target speedup calls for at the ceiling: ``target * (1 -
+i_r)``. On separate devices per role (GPUs) the ceiling is the reference's
+idle device time instead, which this machine cannot measure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reflow.bench.mode_bench import BASELINES, SPEEDUP_TARGETS, ModeResult, seed_rows
+
+
+def decompose(mine: ModeResult, ref: ModeResult) -> dict[str, float] | None:
+    """``speedup``, ``data``, ``utilisation``, ``efficiency`` of ``mine`` against ``ref``; None without the figures.
+
+    Both must have reached the target after t=0 and have ``cpu_idle`` measured (below 1).
+    """
+    figures = (mine.time_to_target_s, ref.time_to_target_s, mine.samples_to_target, ref.samples_to_target)
+    if not all(figures) or mine.cpu_idle is None or ref.cpu_idle is None or max(mine.cpu_idle, ref.cpu_idle) >= 1:
+        return None
+    speedup = ref.time_to_target_s / mine.time_to_target_s
+    data = ref.samples_to_target / mine.samples_to_target
+    utilisation = (1 - mine.cpu_idle) / (1 - ref.cpu_idle)
+    return {"speedup": speedup, "data": data, "utilisation": utilisation,
+            "efficiency": speedup / (data * utilisation), "ceiling": 1 / (1 - ref.cpu_idle)}
+
+
+def speed_limits(results: list[ModeResult], mode: str = "reflow") -> dict[str, Any]:
+    """Per seed of each invocation: ``mode`` against sync and against its fastest baseline, decomposed.
+
+    Each entry: ``against`` (the baseline's name), the ``decompose`` figures,
+    the issue's ``target`` for that ratio and ``needed`` (``data * efficiency`` at
+    the ceiling to meet it). Baselines that did not reach the target, or runs
+    without ``cpu_idle``, give no entry.
+    """
+    per_seed = []
+    for invocation, seed, rows in seed_rows(results, mode):
+        reached = {m: rows[m] for m in BASELINES if m in rows and m != mode and rows[m].time_to_target_s is not None}
+        best = min(reached, key=lambda m: reached[m].time_to_target_s) if reached else None
+        entry: dict[str, Any] = {"invocation": invocation, "seed": seed}
+        for key, against in (("vs_sync", "sync" if "sync" in reached else None), ("vs_best_baseline", best)):
+            parts = decompose(rows[mode], reached[against]) if against else None
+            if parts is not None:
+                goal = SPEEDUP_TARGETS[key]
+                entry[key] = {"against": against, **parts, "target": goal,
+                              "needed": goal * (1 - reached[against].cpu_idle)}
+        per_seed.append(entry)
+    return {"mode": mode, "per_seed": per_seed}
+
+
+def limits_table(limits: dict[str, Any]) -> str:
+    """``speed_limits`` as text: one line per seed and reference."""
+    mode = limits["mode"]
+    lines = [f"{mode}'s speedup = data x utilisation x efficiency (utilisation at most its ceiling; "
+             f"needed: data x efficiency to meet the target at the ceiling)"]
+    for e in limits["per_seed"]:
+        for key in ("vs_sync", "vs_best_baseline"):
+            p = e.get(key)
+            if p is None:
+                continue
+            label = p["against"] + (" (best baseline)" if key == "vs_best_baseline" else "")
+            lines.append(f"  {e['invocation']}/s{e['seed']} vs {label}: {p['speedup']:.2f}x = "
+                         f"data {p['data']:.2f} x utilisation {p['utilisation']:.2f} (ceiling {p['ceiling']:.2f})"
+                         f" x efficiency {p['efficiency']:.2f}; {p['target']}x needs data x efficiency >= "
+                         f"{p['needed']:.2f}, has {p['data'] * p['efficiency']:.2f}")
+    if len(lines) == 1:
+        lines.append("  no seed with the figures (a baseline reaching the target and the CPU idle share measured)")
+    return "\n".join(lines)

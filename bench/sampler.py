@@ -1,0 +1,217 @@
+"""Latency of the ReFlow sampling query on a large synthetic buffer.
+
+``bench_sampler(rows, root)`` writes ``rows`` trajectories of one run spread
+over ``versions`` policy versions (``samples_per_prompt`` rows per group,
+realistic ids and scalars, short token lists so the table builds quickly)
+and a ``usage`` log as a ReFlow run would leave it: every group trained on
+once within ``max_staleness_versions`` of its generation, a share of them
+replayed once more inside the window. Tables are written with a few bulk
+Arrow appends (not per-row records) and then compacted and checkpointed by
+``store.compact()``. It then times ``select_batch`` at the newest trainer
+version, alternating the two replay orders, once with a new store (every
+table opened afresh) per query and once through one store that keeps its
+tables open, as a run's selector does, and returns JSON-serialisable figures
+(``reflow bench-sampler``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+
+from reflow.storage.delta_store import DeltaTrajectoryStore
+from reflow.storage.replay import ReplayPolicy, select_batch
+from reflow.storage.schema import TRAJECTORY_SCHEMA, USAGE_SCHEMA
+from reflow.storage.store import TABLE_SPECS, TRAJECTORIES, USAGE, TrajectoryStore
+
+RUN_ID = "bench-run"
+PROMPT_TOKENS = 24  # short lists keep the build fast; the scan never reads them
+RESPONSE_TOKENS = 12
+
+
+def _lists(n: int, width: int, values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
+    """``n`` lists of ``width`` elements from the flat ``values``."""
+    offsets = pa.array(np.arange(0, n * width + 1, width, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(values, type=arrow_type.value_type)).cast(arrow_type)
+
+
+def trajectory_table(versions: np.ndarray, groups_per_version: int, samples_per_prompt: int,
+                     rng: np.random.Generator) -> pa.Table:
+    """Synthetic trajectories for the policy versions in ``versions`` (one rollout step per version)."""
+    per_version = groups_per_version * samples_per_prompt
+    n = len(versions) * per_version
+    version = np.repeat(versions, per_version).astype(np.int64)
+    sample = np.tile(np.arange(samples_per_prompt), len(versions) * groups_per_version)
+    group_ids = [f"{RUN_ID}/{v}/p{v * groups_per_version + p}" for v, p in
+                 zip(np.repeat(versions, groups_per_version), np.tile(np.arange(groups_per_version), len(versions)))]
+    group = np.repeat(np.array(group_ids, dtype=object), samples_per_prompt)
+    reward = (rng.random(n) < 0.4).astype(np.float64)
+    created = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
+    columns = {
+        "trajectory_id": pa.array([f"{g}/{k}" for g, k in zip(group, sample)], pa.string()),
+        "run_id": pa.array(np.full(n, RUN_ID, dtype=object), pa.string()),
+        "prompt_id": pa.array([g.rsplit("/", 1)[1] for g in group], pa.string()),
+        "group_id": pa.array(group, pa.string()),
+        "sample_index": pa.array(sample, pa.int64()),
+        "env": pa.array(np.full(n, "arithmetic", dtype=object), pa.string()),
+        "rollout_step": pa.array(version, pa.int64()),
+        "policy_version": pa.array(version, pa.int64()),
+        "prompt_tokens": _lists(n, PROMPT_TOKENS, rng.integers(0, 32000, n * PROMPT_TOKENS, dtype=np.int32),
+                                TRAJECTORY_SCHEMA.field("prompt_tokens").type),
+        "response_tokens": _lists(n, RESPONSE_TOKENS, rng.integers(0, 32000, n * RESPONSE_TOKENS, dtype=np.int32),
+                                  TRAJECTORY_SCHEMA.field("response_tokens").type),
+        "behaviour_logprobs": _lists(n, RESPONSE_TOKENS, -rng.random(n * RESPONSE_TOKENS, dtype=np.float32) * 3,
+                                     TRAJECTORY_SCHEMA.field("behaviour_logprobs").type),
+        "token_versions": _lists(n, RESPONSE_TOKENS, np.repeat(version, RESPONSE_TOKENS).astype(np.int32),
+                                 TRAJECTORY_SCHEMA.field("token_versions").type),
+        "loss_mask": _lists(n, RESPONSE_TOKENS, np.ones(n * RESPONSE_TOKENS, dtype=np.int8),
+                            TRAJECTORY_SCHEMA.field("loss_mask").type),
+        "reward": pa.array(reward, pa.float64()),
+        "correct": pa.array(reward > 0, pa.bool_()),
+        "finish_reason": pa.array(np.full(n, "stop", dtype=object), pa.string()),
+        "response_length": pa.array(np.full(n, RESPONSE_TOKENS, dtype=np.int64), pa.int64()),
+        "created_at": pa.array(np.full(n, created), pa.timestamp("us", tz="UTC")),
+    }
+    return pa.Table.from_pydict(columns, schema=TRAJECTORY_SCHEMA)
+
+
+def usage_table(trajectories: pa.Table, samples_per_prompt: int, last_trainer_version: int,
+                max_staleness: int, replay_share: float, rng: np.random.Generator) -> pa.Table:
+    """Usage rows of a ReFlow run up to ``last_trainer_version``, sorted by trainer version.
+
+    Each group is trained on first at ``v + d`` (``d`` in 0..1), and with
+    probability ``replay_share`` once more at ``v + d + e`` (``e`` in
+    1..max_staleness - d); uses after ``last_trainer_version`` have not happened.
+    """
+    ids = trajectories.column("trajectory_id").to_numpy(zero_copy_only=False)
+    version = trajectories.column("policy_version").to_numpy()[::samples_per_prompt]
+    groups = len(version)
+    first = version + rng.integers(0, 2, groups)
+    second = first + 1 + rng.integers(0, 10**6, groups) % np.maximum(max_staleness - (first - version), 1)
+    replayed = (rng.random(groups) < replay_share) & (second - version <= max_staleness)
+    used_at = np.concatenate([first, second[replayed]])
+    group_index = np.concatenate([np.arange(groups), np.arange(groups)[replayed]])
+    keep = used_at <= last_trainer_version
+    used_at, group_index = used_at[keep], group_index[keep]
+    order = np.argsort(used_at, kind="stable")
+    used_at, group_index = used_at[order], group_index[order]
+    rows = (group_index[:, None] * samples_per_prompt + np.arange(samples_per_prompt)).ravel()
+    tv = np.repeat(used_at, samples_per_prompt).astype(np.int64)
+    pv = version[np.repeat(group_index, samples_per_prompt)]
+    n = len(rows)
+    created = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
+    columns = {
+        "run_id": pa.array(np.full(n, RUN_ID, dtype=object), pa.string()),
+        "trajectory_id": pa.array(ids[rows], pa.string()),
+        "trainer_step": pa.array(tv, pa.int64()),
+        "trainer_version": pa.array(tv, pa.int64()),
+        "loss_weight": pa.array(np.ones(n), pa.float64()),
+        "staleness": pa.array(tv - pv, pa.int64()),
+        "created_at": pa.array(np.full(n, created), pa.timestamp("us", tz="UTC")),
+    }
+    return pa.Table.from_pydict(columns, schema=USAGE_SCHEMA)
+
+
+def build_buffer(root: str, rows: int, versions: int, samples_per_prompt: int, max_staleness: int,
+                 appends: int, compact: bool, seed: int = 0) -> dict[str, float]:
+    """Write the synthetic ``trajectories`` and ``usage`` tables under ``root``; return timings (s).
+
+    Each table gets ``appends`` bulk appends covering consecutive version
+    ranges (``appends == versions`` is the layout a live run leaves: one
+    commit per step), then ``store.compact()`` if ``compact``.
+    """
+    rng = np.random.default_rng(seed)
+    groups_per_version = max(1, rows // (versions * samples_per_prompt))
+    store = DeltaTrajectoryStore(root)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    usage_parts = []
+    for chunk in np.array_split(np.arange(versions), appends):
+        part = trajectory_table(chunk, groups_per_version, samples_per_prompt, rng)
+        _append(store, TRAJECTORIES, part)
+        usage_parts.append(usage_table(part.select(["trajectory_id", "policy_version"]), samples_per_prompt,
+                                       versions - 2, max_staleness, 0.5, rng))
+    timings["write_trajectories_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    usage = pa.concat_tables(usage_parts)
+    usage = usage.take(np.argsort(usage.column("trainer_version").to_numpy(), kind="stable"))
+    used_at = usage.column("trainer_version").to_numpy()
+    for chunk in np.array_split(np.arange(versions), appends):
+        lo, hi = np.searchsorted(used_at, [chunk[0], chunk[-1] + 1]) if len(chunk) else (0, 0)
+        if hi > lo:
+            _append(store, USAGE, usage.slice(lo, hi - lo))
+    timings["write_usage_s"] = time.perf_counter() - start
+    if compact:
+        start = time.perf_counter()
+        store.compact()
+        timings["compact_s"] = time.perf_counter() - start
+    return timings
+
+
+def _append(store: DeltaTrajectoryStore, name: str, data: pa.Table) -> None:
+    """Bulk-append Arrow ``data`` to table ``name`` (created with its reflow spec if absent)."""
+    spec = TABLE_SPECS[name]
+    write_deltalake(store.table_uri(name), data, mode="append", partition_by=list(spec.partition_by) or None,
+                    name=spec.name)
+
+
+def bench_sampler(rows: int, root: str, versions: int = 250, queries: int = 50, samples_per_prompt: int = 8,
+                  groups_needed: int = 64, max_staleness: int = 4, appends: int = 4, compact: bool = True,
+                  rebuild: bool = False) -> dict[str, object]:
+    """Build (or reuse) a ``rows``-trajectory buffer under ``root`` and time ``select_batch`` on it.
+
+    Defaults: 250 versions of 500 groups of 8 (4,000 rows per version), a
+    64-group batch, staleness bound 4, replay ratio 0.25, reuse cap 2. Each
+    selection is timed twice over: through a new store per query (both
+    tables opened and their logs read each time) and through one store that
+    keeps them open (only new commits are read). Returns ``{rows, usage_rows,
+    files, build timings, open_per_query: {p50_ms, p95_ms, max_ms, ...},
+    kept_open: {...}}``.
+    """
+    path = Path(root)
+    if rebuild and path.exists():
+        shutil.rmtree(path)
+    timings: dict[str, float] = {}
+    if not (path / TRAJECTORIES).exists():
+        timings = build_buffer(root, rows, versions, samples_per_prompt, max_staleness, appends, compact)
+    store = DeltaTrajectoryStore(root)
+    trajectories, usage = DeltaTable(store.table_uri(TRAJECTORIES)), DeltaTable(store.table_uri(USAGE))
+    newest = max(int(p["policy_version"]) for p in trajectories.partitions())
+    figures: dict[str, object] = {
+        "rows": trajectories.count(), "usage_rows": usage.count(), "versions": newest + 1,
+        "trajectory_files": len(trajectories.file_uris()), "usage_files": len(usage.file_uris()),
+        "table_versions": store.table_versions(), **{k: round(v, 2) for k, v in timings.items()},
+        "queries": queries, "groups_needed": groups_needed, "max_staleness_versions": max_staleness,
+    }
+    figures["open_per_query"] = _time_selections(lambda: DeltaTrajectoryStore(root), newest, groups_needed,
+                                                 max_staleness, samples_per_prompt, queries)
+    figures["kept_open"] = _time_selections(lambda: store, newest, groups_needed, max_staleness,
+                                            samples_per_prompt, queries)
+    return figures
+
+
+def _time_selections(source: Callable[[], TrajectoryStore], trainer_version: int, groups_needed: int, max_staleness: int,
+                     samples_per_prompt: int, queries: int) -> dict[str, float]:
+    """p50/p95/max milliseconds of ``queries`` selections, alternating the two replay orders."""
+    policies = [ReplayPolicy(max_staleness, 0.25, 2, order) for order in ("newest", "advantage")]
+    latencies, selected = [], []
+    for i in range(queries + 2):
+        start = time.perf_counter()
+        selection = select_batch(source(), RUN_ID, trainer_version, groups_needed, policies[i % 2],
+                                 samples_per_prompt=samples_per_prompt)
+        if i >= 2:  # the first two warm caches (imports, page cache, open tables)
+            latencies.append((time.perf_counter() - start) * 1000)
+            selected.append(len(selection.trajectory_ids))
+    latencies.sort()
+    return {"p50_ms": round(statistics.median(latencies), 2),
+            "p95_ms": round(latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))], 2),
+            "max_ms": round(latencies[-1], 2), "selected_rows_min": min(selected),
+            "selected_rows_max": max(selected)}

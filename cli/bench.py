@@ -1,0 +1,101 @@
+"""``reflow bench``, ``bench-report``, ``bench-engine`` and ``bench-sampler``: the measurements."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from reflow.bench import decompose, mode_bench
+from reflow.bench.sampler import bench_sampler
+from reflow.cli.runtime import int_list, preflight, quiet_environment, start_prefect_api
+from reflow.config.load import InputError, load_config
+
+
+def cmd_bench_sampler(args: argparse.Namespace) -> int:
+    if args.rows < 1000 or args.queries < 1:
+        raise InputError("--rows must be >= 1000 and --queries >= 1")
+    print(f"building/reusing {args.rows:,} trajectory rows under {args.root} ...", flush=True)
+    figures = bench_sampler(args.rows, args.root, queries=args.queries, rebuild=args.rebuild)
+    text = json.dumps(figures, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_sampler.json").write_text(text)
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    levels = int_list(args.concurrency, "--concurrency")
+    prefill_lengths = int_list(args.prefill_tokens, "--prefill-tokens")
+    if prefill_lengths and min(prefill_lengths) < 1:
+        raise InputError("--prefill-tokens values must be >= 1")
+    if not levels or min(levels) < 1 or args.steps < 1 or args.warmup < 0:
+        raise InputError("--concurrency values and --steps must be >= 1, --warmup >= 0")
+    cfg = load_config(args.config, args.overrides)
+    if cfg.rollout.engine != "vllm":
+        raise InputError("bench-engine measures the vLLM engine; set rollout.engine = \"vllm\"")
+    quiet_environment(False)
+    os.environ["OMP_NUM_THREADS"] = str(cfg.resources.torch_threads)  # as the engine actor runs (before torch loads)
+    from reflow.bench.engine import bench_engine  # torch and vLLM, after OMP_NUM_THREADS is set
+
+    figures = bench_engine(cfg, levels, args.steps, args.warmup, prefill_lengths,
+                           progress=lambda line: print(line, flush=True))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_engine.json").write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    known = ("sync", "one_step_off", "async", "reflow", "sorted_on_policy", "sorted_partial")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in known]
+    if not modes or bad:
+        raise InputError(f"--modes: unknown mode(s) {bad or modes}; choose from {', '.join(known)}")
+    seeds = int_list(args.seeds, "--seeds")
+    if not seeds:
+        raise InputError("--seeds: give at least one seed")
+    if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
+        raise InputError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
+    if args.smooth_evals < 1:
+        raise InputError(f"--smooth-evals must be >= 1, got {args.smooth_evals}")
+    cfg = load_config(args.config, args.overrides)  # validate once, before any run starts
+    preflight(cfg)
+    if cfg.env.eval_prompts == 0:
+        raise InputError("env.eval_prompts: the benchmark needs held-out prompts (> 0)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out: {str(out)!r} exists and is not a directory")
+    quiet_environment(False)
+    start_prefect_api()
+    from reflow.flows.bench import bench_flow  # Prefect (about 2 s) only when a command runs a flow
+
+    bench_flow(config=args.config, overrides=list(args.overrides), modes=modes, seeds=seeds, out=str(out.resolve()),
+               target=args.target_accuracy, smooth_evals=args.smooth_evals, equal_data=not args.equal_steps)
+    return 0
+
+
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    if args.out and (Path(args.out).is_dir() or not Path(args.out).parent.is_dir()):
+        raise InputError(f"--out: {args.out!r} must be a file in an existing directory")
+    results = []
+    for item in args.dirs:
+        path = Path(item)
+        if not (path / "bench.json" if path.is_dir() else path).is_file():
+            raise InputError(f"{item}: no bench.json there (run reflow bench --out {item} first)")
+        try:
+            results += mode_bench.load_results(path)
+        except ValueError as exc:
+            raise InputError(str(exc)) from exc
+    if not any(r.mode == "reflow" for r in results):
+        raise InputError(f"no reflow rows in {', '.join(args.dirs)}")
+    speedups = mode_bench.seed_speedups(results)
+    limits = decompose.speed_limits(results)
+    print(mode_bench.seed_table(speedups) + "\n\n" + decompose.limits_table(limits), flush=True)
+    if args.out:
+        tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
+        tmp.write_text(json.dumps({**speedups, "limits": limits}, indent=2))
+        tmp.replace(args.out)
+    return 0

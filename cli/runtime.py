@@ -1,0 +1,78 @@
+"""What the commands that run work share: a quiet console, the Prefect API, checks of the paths a config names.
+
+Exit codes: 0 success, 1 the run failed, 2 bad input (``EXIT_BAD_INPUT``:
+config, model path, table path), 130 interrupted (Ctrl-C or SIGTERM).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from reflow.config.load import InputError
+from reflow.config.schema import ReflowConfig
+from reflow.envs.base import env_class
+from reflow.envs.datasets import DatasetError, check_dataset
+from reflow.infra.prefect_api import start_ephemeral_server
+from reflow.storage.delta_store import DeltaTrajectoryStore
+from reflow.storage.store import StorageError
+
+EXIT_BAD_INPUT = 2
+
+
+def quiet_environment(verbose: bool) -> None:
+    """Keep the console to progress lines unless --verbose (set before the libraries load)."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # The ephemeral Prefect API's 20 s start-up limit is exceeded on a loaded machine (a failed run, not a slow one).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    if verbose:
+        os.environ["REFLOW_VERBOSE"] = "1"
+    else:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+        # The ephemeral Prefect server logs a CancelledError traceback through the root logger
+        # when it is stopped at exit (a race in its sqlite pool); keep the root logger quiet.
+        os.environ.setdefault("PREFECT_LOGGING_ROOT_LEVEL", "CRITICAL")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("RAY_LOG_TO_DRIVER_EVENT_LEVEL", "ERROR")
+
+
+def start_prefect_api() -> None:
+    """Start the ephemeral Prefect API now (unless PREFECT_API_URL names a server), with a watchdog that
+    stops it if this process is killed before its exit handlers run."""
+    start_ephemeral_server()
+
+
+def preflight(cfg: ReflowConfig) -> None:
+    """Check paths the config names, before anything is created. Raises InputError."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path)
+        if not path.is_dir():
+            raise InputError(f"model.path: {str(path)!r} does not exist or is not a directory")
+        if not (path / "config.json").is_file():
+            raise InputError(f"model.path: {str(path)!r} is not a Hugging Face model directory (no config.json)")
+    if cfg.env.data_path is not None:  # read and parse the dataset now: a bad file exits 2 before any write
+        try:
+            check_dataset(cfg.env, env_class(cfg.env.kind))
+        except DatasetError as exc:
+            raise InputError(f"env.data_path: {exc}") from None
+    out = Path(cfg.run.out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"run.out_dir: {str(out)!r} exists and is not a directory")
+    if cfg.storage.root is not None:
+        try:
+            DeltaTrajectoryStore(cfg.storage.root).table_versions()
+        except StorageError as exc:
+            raise InputError(f"storage.root: {exc}") from None
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """Comma-separated integers of option ``flag``; InputError naming it otherwise."""
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise InputError(f"{flag}: expected comma-separated integers, got {text!r}") from None

@@ -1,0 +1,141 @@
+"""``reflow serve``: a Prefect server and the deployments a person launches runs from in its UI.
+
+Starts ``prefect server start`` on ``host:port`` (or uses the server at
+``api_url``), then serves three deployments from this process, each flow run
+in a child process: ``train/train`` (the form: an experiment file and any
+config field), ``evaluate/evaluate`` (a finished run's final model) and
+``bench/bench`` (the mode comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from reflow.cli.runtime import quiet_environment
+from reflow.config.load import InputError
+
+HEALTH_TIMEOUT_S = 90.0
+
+
+class ServeError(Exception):
+    """The server cannot be started or reached; the message says what to change."""
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something already listens on ``host:port`` (or the port cannot be bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is no conflict
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the Prefect API at ``api_url`` answers its health check."""
+    try:
+        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def start_server(host: str, port: int) -> subprocess.Popen:
+    """``prefect server start`` on ``host:port``; returns once its API answers."""
+    if port_in_use(host, port):
+        raise ServeError(f"port {port} on {host} is already in use: pass --port with a free port, or "
+                         f"--api-url http://{host}:{port}/api to use a Prefect server already running there")
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": f"http://{host}:{port}/api"}
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    api_url = f"http://{host}:{port}/api"
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while not healthy(api_url):
+        if proc.poll() is not None:
+            raise ServeError(f"prefect server exited with code {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise ServeError(f"prefect server did not answer at {api_url} within {HEALTH_TIMEOUT_S:.0f} s")
+        time.sleep(0.5)
+    return proc
+
+
+def deployments(out_dir: str) -> list:
+    """The served deployments (imported here: ``PREFECT_API_URL`` must be set first)."""
+    from prefect.deployments.runner import EntrypointType
+
+    from reflow.flows.bench import bench_flow
+    from reflow.flows.launch import CONFIGS, evaluate_run, train
+
+    module = EntrypointType.MODULE_PATH
+    bench_defaults = {"config": str(CONFIGS / "bench.toml"), "overrides": [], "seeds": [0],
+                      "modes": ["sync", "one_step_off", "async", "reflow", "sorted_on_policy", "sorted_partial"],
+                      "out": os.path.join(out_dir, "bench"), "target": None, "smooth_evals": 3}
+    return [train.to_deployment(name="train", entrypoint_type=module, tags=["reflow"],
+                                parameters={"settings": {"run": {"out_dir": out_dir}}},
+                                description="Train a policy (choose an experiment file, fill in any field)."),
+            evaluate_run.to_deployment(name="evaluate", entrypoint_type=module, tags=["reflow"],
+                                       description="Held-out accuracy of a finished run's final model."),
+            bench_flow.to_deployment(name="bench", entrypoint_type=module, tags=["reflow"], parameters=bench_defaults,
+                                     description="The same workload under each mode; bench.json and bench.png.")]
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve(host: str, port: int, api_url: str | None, out_dir: str) -> int:
+    """Start or connect to the server, serve the deployments until interrupted."""
+    server = None
+    if api_url:
+        if not healthy(api_url):
+            raise ServeError(f"no Prefect API answers at {api_url} (is the server running? the URL ends in /api)")
+    else:
+        print(f"starting a Prefect server on {host}:{port} ...", flush=True)
+        server = start_server(host, port)
+        api_url = f"http://{host}:{port}/api"
+    os.environ["PREFECT_API_URL"] = api_url
+    signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: the server started here goes down with us
+    ui = api_url.rstrip("/").removesuffix("/api")
+    try:
+        from prefect import serve as prefect_serve
+
+        served = deployments(out_dir)
+        print(f"Prefect UI: {ui}  (deployments: {ui}/deployments)\nserving "
+              + ", ".join(f"{d.flow_name}/{d.name}" for d in served) + "; Ctrl-C stops", flush=True)
+        prefect_serve(*served, print_starting_message=False)
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if not 1 <= args.port <= 65535:
+        raise InputError(f"--port must be in 1..65535, got {args.port}")
+    if not args.api_url and port_in_use(args.host, args.port):
+        raise InputError(f"port {args.port} on {args.host} is already in use: pass --port with a free port, or "
+                         f"--api-url http://{args.host}:{args.port}/api to use a Prefect server already running there")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")  # flow-run logs (progress lines) go to the UI
+    quiet_environment(False)
+    try:
+        return serve(args.host, args.port, args.api_url, str(Path(args.out).resolve()))
+    except ServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,177 @@
+"""``reflow query`` and ``reflow maintain``: the commands over a run's (or a root's) Delta tables.
+
+Query results go to people as a console table, or to a CSV/Parquet/JSON-lines
+file; ``--as-of-version TABLE=N`` reads a table at an older version (time
+travel). Both commands answer bad input (no such run, a foreign schema, an
+SQL error, a live writer) with ``InputError`` before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from reflow.cli.runtime import quiet_environment, start_prefect_api
+from reflow.config.load import InputError
+from reflow.infra.runlock import LiveWriterError, describe_writers, live_writers
+from reflow.infra.runs import RunNotFound, resolve_target
+from reflow.storage.delta_store import DeltaTrajectoryStore
+from reflow.storage.store import TABLE_SPECS, StorageError
+
+OUTPUT_FORMATS = (".csv", ".parquet", ".jsonl")
+_CELL_CHARS = 40
+
+
+def parse_as_of(items: list[str], tables: tuple[str, ...]) -> dict[str, int]:
+    """``["trajectories=5", ...]`` to ``{"trajectories": 5}``; ValueError naming the bad item."""
+    out: dict[str, int] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or name not in tables:
+            raise ValueError(f"--as-of-version {item!r}: expected TABLE=VERSION with TABLE one of {', '.join(tables)}")
+        try:
+            version = int(raw)
+        except ValueError:
+            raise ValueError(f"--as-of-version {item!r}: the version must be an integer") from None
+        if version < 0:
+            raise ValueError(f"--as-of-version {item!r}: the version must be >= 0")
+        if name in out and out[name] != version:
+            raise ValueError(f"--as-of-version: table {name!r} given twice")
+        out[name] = version
+    return out
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (list, dict)):
+        text = json.dumps(value, default=str)
+    else:
+        text = str(value)
+    return text if len(text) <= _CELL_CHARS else text[:_CELL_CHARS - 3] + "..."
+
+
+def format_table(table: pa.Table, max_rows: int) -> str:
+    """``table`` as aligned text (numbers right-aligned), at most ``max_rows`` rows, then a row count."""
+    shown = table.slice(0, max_rows).to_pylist()
+    names = table.schema.names
+    cells = [[_cell(row[n]) for n in names] for row in shown]
+    widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
+    numeric = [pa.types.is_integer(f.type) or pa.types.is_floating(f.type) or pa.types.is_decimal(f.type)
+               for f in table.schema]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    out = [line(names), "  ".join("-" * w for w in widths)] + [line(r) for r in cells]
+    rest = table.num_rows - len(shown)
+    out.append(f"({table.num_rows} row{'s' if table.num_rows != 1 else ''}"
+               + (f"; {rest} not shown, use --max-rows or --out FILE)" if rest else ")"))
+    return "\n".join(out)
+
+
+def _flatten_nested(table: pa.Table) -> pa.Table:
+    """List and struct columns as JSON text (CSV has no nested types)."""
+    columns = []
+    for field, column in zip(table.schema, table.columns):
+        if pa.types.is_nested(field.type):
+            column = pa.array([None if v is None else json.dumps(v, default=str) for v in column.to_pylist()],
+                              pa.string())
+        columns.append(column)
+    return pa.table(columns, names=table.schema.names)
+
+
+def write_result(table: pa.Table, path: str | Path) -> Path:
+    """Write ``table`` to ``path`` by its extension (.csv, .parquet, .jsonl), atomically (temp file, rename)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in OUTPUT_FORMATS:
+        raise ValueError(f"--out {str(path)!r}: unknown format; use a file ending in {', '.join(OUTPUT_FORMATS)}")
+    if path.is_dir():
+        raise ValueError(f"--out {str(path)!r} is a directory")
+    if not path.parent.is_dir():
+        raise ValueError(f"--out {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        if suffix == ".parquet":
+            pq.write_table(table, tmp)
+        elif suffix == ".csv":
+            pacsv.write_csv(_flatten_nested(table), tmp)
+        else:
+            with open(tmp, "w") as fh:
+                for row in table.to_pylist():
+                    fh.write(json.dumps(row, default=str) + "\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def open_target(args: argparse.Namespace):
+    """The run's (or root's) store, its schemas checked; InputError if it cannot be found or read."""
+    try:
+        target = resolve_target(args.run, args.root, args.runs)
+        return target, DeltaTrajectoryStore(target.store_root)
+    except (RunNotFound, StorageError) as exc:
+        raise InputError(str(exc)) from None
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    if args.max_rows < 0:
+        raise InputError("--max-rows must be >= 0")
+    try:
+        as_of = parse_as_of(args.as_of_version, tuple(TABLE_SPECS))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    if args.out and Path(args.out).suffix.lower() not in (".csv", ".parquet", ".jsonl"):
+        raise InputError(f"--out {args.out!r}: use a file ending in .csv, .parquet or .jsonl")
+    target, store = open_target(args)
+    try:
+        result = store.query(args.sql, as_of=as_of)
+    except StorageError as exc:
+        raise InputError(str(exc)) from None
+    if args.out:
+        try:
+            path = write_result(result, args.out)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        print(f"{result.num_rows} rows -> {path}")
+    else:
+        print(format_table(result, args.max_rows))
+    return 0
+
+
+def cmd_maintain(args: argparse.Namespace) -> int:
+    if args.retention_hours is not None and args.retention_hours < 0:
+        raise InputError("--retention-hours must be >= 0")
+    target, store = open_target(args)  # refuses tables with another schema before anything is changed
+    writers = live_writers(target.run_dir, target.store_root)
+    if writers and not args.force:
+        raise InputError("a run is writing to these tables; maintenance would vacuum files it may still need. "
+                         "Wait for it to finish (or pass --force if the lock is wrong):\n" + describe_writers(writers))
+    before = store.table_versions()
+    if all(v < 0 for v in before.values()):
+        raise InputError(f"no reflow tables under {target.store_root}: nothing to maintain")
+    quiet_environment(False)
+    start_prefect_api()
+    from reflow.flows.maintain import maintain  # Prefect (about 2 s) only when a command runs a flow
+
+    run_dir = str(target.run_dir) if target.run_dir is not None else None
+    try:
+        metrics = maintain(store_root=target.store_root, run_dir=run_dir, retention_hours=args.retention_hours,
+                           force=args.force)
+    except LiveWriterError as exc:  # a run started between the check above and the flow's own
+        raise InputError(str(exc)) from None
+    for name, m in metrics.items():
+        print(f"{name:14s} version {before[name]} -> {m['version']}: {m['files_removed']} files compacted into "
+              f"{m['files_added']}, {m['vacuumed_files']} vacuumed")
+    return 0

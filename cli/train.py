@@ -1,0 +1,99 @@
+"""``reflow run``, ``resume``, ``config`` and ``model init``: start, continue and inspect a training run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from reflow.cli.runtime import preflight, quiet_environment, start_prefect_api
+from reflow.config.load import InputError, config_to_json, load_config
+from reflow.config.reference import reference_markdown
+from reflow.config.schema import ReflowConfig
+from reflow.infra.run import new_run_id
+
+
+def find_run(run: str, out: str | None) -> Path:
+    """The directory of run ``run`` (a path, or a run id under ``out``); InputError if it is not a run."""
+    candidates = [Path(run)] + ([Path(out) / run] if out and not Path(run).is_absolute() else [])
+    for path in candidates:
+        if (path / "run.json").is_file() and (path / "config.json").is_file():
+            return path.resolve()
+    raise InputError(f"{run!r} is not a run directory (no run.json and config.json in "
+                     f"{' or '.join(str(p) for p in candidates)})")
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    run_dir = find_run(args.run, args.out)
+    try:
+        cfg = ReflowConfig.model_validate_json((run_dir / "config.json").read_text())
+        record = json.loads((run_dir / "run.json").read_text())
+        run_id = record["run_id"]
+    except (ValueError, KeyError) as exc:
+        raise InputError(f"{run_dir}: unreadable config.json or run.json: {exc}") from None
+    quiet_environment(args.verbose)
+    print(f"reflow resume {run_id}: mode={cfg.mode.kind} steps={cfg.run.total_steps}", flush=True)
+    start_prefect_api()
+    from reflow.flows.rl_train import rl_train  # Prefect (about 2 s) only when a command runs a flow
+
+    outcome = rl_train(config_json=config_to_json(cfg), run_dir=str(run_dir), run_id=run_id, resume=True)
+    print_outcome(outcome)
+    return 0
+
+
+def print_outcome(outcome) -> None:
+    print(f"\nrun directory : {outcome.run_dir}\ncurves        : {outcome.curves_png}\n"
+          f"final model   : {outcome.final_model}\nDelta tables  : {outcome.store_root}/trajectories, "
+          f"{outcome.store_root}/usage\nMLflow run    : {outcome.mlflow_run_id}\nMLflow UI     : {outcome.tracking_ui}",
+          flush=True)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.resume:
+        if args.config or args.overrides:
+            raise InputError("--resume continues a run with its saved config; drop --config and --set")
+        args.run = args.resume
+        args.out = args.out or "runs"
+        return cmd_resume(args)
+    overrides = list(args.overrides) + ([f"run.out_dir={json.dumps(args.out)}"] if args.out else [])
+    cfg = load_config(args.config, overrides)
+    preflight(cfg)
+    quiet_environment(args.verbose)
+    launch(cfg)
+    return 0
+
+
+def launch(cfg: ReflowConfig):
+    """Run the training flow for ``cfg`` (already checked) and print where the results are; the RunOutcome."""
+    run_id = new_run_id(cfg)
+    run_dir = str((Path(cfg.run.out_dir) / run_id).resolve())
+    budget = f" (or until {cfg.run.max_new_groups} new groups)" if cfg.run.max_new_groups else ""
+    print(f"reflow run {run_id}: mode={cfg.mode.kind} engine={cfg.rollout.engine} steps={cfg.planned_steps()}{budget} "
+          f"prompts/step={cfg.rollout.prompts_per_step} samples/prompt={cfg.rollout.samples_per_prompt}", flush=True)
+    start_prefect_api()
+    from reflow.flows.rl_train import rl_train  # Prefect (about 2 s) only when a command runs a flow
+
+    outcome = rl_train(config_json=config_to_json(cfg), run_dir=run_dir, run_id=run_id)
+    print_outcome(outcome)
+    return outcome
+
+
+def cmd_model_init(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if cfg.model.path is not None:
+        raise InputError("model init builds the tiny default policy; unset model.path")
+    quiet_environment(False)
+    from reflow.policies.tiny import ensure_tiny_model  # torch and transformers (about 4 s)
+
+    print(ensure_tiny_model(cfg.model, cfg.env, cfg.run.seed, threads=cfg.resources.torch_threads))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.reference:
+        if args.config or args.overrides:
+            raise InputError("--reference prints every field of the schema; drop --config and --set")
+        print(reference_markdown(), end="")
+        return 0
+    print(config_to_json(load_config(args.config, args.overrides)))
+    return 0

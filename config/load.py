@@ -1,0 +1,109 @@
+"""Loading the config tree: a TOML file, dotted overrides, validation with errors that name the field.
+
+Overrides (``rollout.prompts_per_step=16``) are applied to the parsed file
+before validation, so a bad override is reported exactly like a bad file.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from reflow.config.schema import ReflowConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the field."""
+
+
+class InputError(Exception):
+    """Bad input to a command (not the config), detected before anything was written; exits with code 2."""
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key.path=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: empty key")
+    try:  # TOML literal: numbers, booleans, quoted strings, arrays
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare string such as a path
+    return key, value
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for item in err.errors():
+        path = ".".join(str(p) for p in item["loc"]) or "<root>"
+        msg = item["msg"]
+        if item["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see configs/default.toml for the fields)"
+        given = item.get("input")
+        shown = "" if isinstance(given, dict) or item["type"] == "missing" else f" (got {given!r})"
+        lines.append(f"  {path}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ReflowConfig:
+    """Read a TOML file (or nothing: defaults), apply ``key.path=value`` overrides, validate.
+
+    Raises ConfigError with a message that names the field path and what was expected.
+    """
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {source!r} does not exist")
+        try:
+            tree = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {source!r} is not valid TOML: {exc}") from exc
+    for item in overrides or []:
+        key, value = _parse_override(item)
+        _set_dotted(tree, key, value)
+    if overrides:
+        source += " + overrides"
+    try:
+        return ReflowConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+
+
+def config_to_json(cfg: ReflowConfig) -> str:
+    """The resolved config as JSON (saved with every run)."""
+    return json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+def flat_params(cfg: ReflowConfig) -> dict[str, str]:
+    """The resolved config flattened to dotted keys (MLflow params)."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = str(node)
+
+    walk("", cfg.model_dump(mode="json"))
+    return out

@@ -1,0 +1,222 @@
+"""The feeder loop of the streaming modes: generators -> score -> buffer.
+
+It keeps the engines filled with whole GRPO groups up to the concurrency
+target (``control.concurrency``) and the staleness gate (``control.gate``),
+steps them in short drain windows, and appends each group to the
+``trajectories`` table as soon as all its samples are finished. Scoring and
+writing the previous window overlap the engine's next window. A group whose
+finished sample has aged out of the staleness window is abandoned in flight.
+``control.streaming`` describes how it runs beside the selector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from reflow.control.clock import Clock
+from reflow.control.concurrency import ConcurrencyController
+from reflow.control.gate import StalenessGate
+from reflow.control.state import LoopState
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished sample as the feeder sees it: its group index and the engine's result."""
+
+    group: int
+    result: Any  # policies.engines.GenResult
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Drained:
+    """What one drain window returned."""
+
+    finished: list[Finished]
+    busy_s: float  # engine time spent stepping
+    in_flight: int  # requests still running after the window
+
+
+class FeederBackend(Protocol):
+    """What the feeder drives: an engine that takes whole groups, and the buffer's writer."""
+
+    samples_per_group: int
+
+    def submit(self, groups: Sequence[int]) -> None:
+        """Hand the engine ``samples_per_group`` requests for each group index (prompt ``g`` of the stream)."""
+        ...
+
+    def start_drain(self, window_s: float) -> Any:
+        """Start stepping the engine for about ``window_s``; returns a handle."""
+        ...
+
+    def wait_drain(self, handle: Any) -> Drained: ...
+
+    def write(self, chunk: int, groups: dict[int, list[Finished]]) -> None:
+        """Score whole groups and append them to the buffer as chunk ``chunk`` (idempotent per chunk)."""
+        ...
+
+    def abandon(self, groups: Sequence[int]) -> None:
+        """Abort the requests of ``groups`` still in flight, without waiting; their results are not needed."""
+        ...
+
+
+class FeederLoop:
+    """Generators -> score -> buffer, with the staleness gate and adaptive concurrency."""
+
+    def __init__(self, backend: FeederBackend, state: LoopState, gate: StalenessGate,
+                 controller: ConcurrencyController, clock: Clock, window_s: float = 0.25,
+                 idle_poll_s: float = 0.02, max_groups: int | None = None, write_min_groups: int = 1,
+                 write_max_wait_s: float = 1.0, batch_unused_groups: int = 0) -> None:
+        self.backend, self.state, self.gate, self.controller, self.clock = backend, state, gate, controller, clock
+        self.window_s, self.idle_poll_s, self.max_groups = window_s, idle_poll_s, max_groups
+        # Fewer, larger appends: a Delta commit per window would leave thousands of small files.
+        self.write_min_groups, self.write_max_wait_s = write_min_groups, write_max_wait_s
+        self.batch_unused_groups = batch_unused_groups  # the selector's minimum of unused groups per batch
+        self._last_write = clock.now()
+        self._next_group = 0
+        self._in_flight = 0  # requests
+        self._partial: dict[int, list[Finished]] = {}
+        self._complete: dict[int, list[Finished]] = {}
+        self._abandoned: set[int] = set()  # groups given up while in flight (results still arriving are dropped)
+        self._handle: Any = None
+        self._chunk = 0
+        self._written = 0  # groups written
+
+    def resume_at(self, next_group: int, next_chunk: int) -> None:
+        """Continue a resumed run's stream: groups from ``next_group``, writes as chunks from ``next_chunk``.
+
+        Groups a killed attempt had in flight were never written; they are skipped, not re-generated.
+        """
+        self._next_group = self._written = next_group
+        self._chunk = next_chunk
+
+    def _admit(self) -> None:
+        """Submit as many whole groups as the gate and the concurrency target allow."""
+        with self.state.cond:
+            ahead = self.in_flight_groups + self.state.admissible_unused(self.gate.max_staleness_versions)
+            allowed = self.gate.allowed(ahead)
+        room = (self.controller.target - self._in_flight) // self.backend.samples_per_group
+        n = min(allowed, room)
+        if self.max_groups is not None:
+            n = min(n, self.max_groups - self._next_group)
+        if n <= 0:
+            return
+        groups = list(range(self._next_group, self._next_group + n))
+        self.backend.submit(groups)
+        self._next_group += n
+        self._in_flight += n * self.backend.samples_per_group
+        with self.state.cond:
+            self.state.groups_submitted += n
+
+    @property
+    def in_flight_groups(self) -> int:
+        """Groups submitted and neither written nor abandoned."""
+        return self._next_group - self._written - len(self._abandoned)
+
+    def _abandon_expired(self) -> None:
+        """Give up groups that can no longer be trained on, and free their slots in the engine.
+
+        A group's version is its oldest token's, so once a finished sample is
+        older than the staleness window the group never will be admissible;
+        finishing its other samples would only cost generation.
+        """
+        with self.state.cond:
+            oldest_ok = self.state.trainer_version - self.gate.max_staleness_versions
+        hopeless = [g for g, items in self._partial.items() if min(i.result.version for i in items) < oldest_ok]
+        if not hopeless:
+            return
+        self.backend.abandon(hopeless)
+        for g in hopeless:
+            self._in_flight -= self.backend.samples_per_group - len(self._partial.pop(g))
+            self._abandoned.add(g)
+        with self.state.cond:
+            self.state.groups_abandoned += len(hopeless)
+
+    def _flush(self, force: bool = False) -> None:
+        """Write the groups completed so far (while the engine runs the next window).
+
+        Waits for ``write_min_groups`` complete groups, or ``write_max_wait_s``
+        since the last write, unless ``force`` or the selector is waiting for
+        them: fewer than ``batch_unused_groups`` unused groups are written,
+        and these make up the difference (the trainer would otherwise wait
+        for the batching; at most one such small write per step).
+        """
+        if not self._complete:
+            return
+        waited = self.clock.now() - self._last_write
+        with self.state.cond:
+            unused = len(self.state.unused)
+        needed = unused < self.batch_unused_groups <= unused + len(self._complete)
+        if not force and not needed and len(self._complete) < self.write_min_groups \
+                and waited < self.write_max_wait_s:
+            return
+        self._last_write = self.clock.now()
+        groups, self._complete = self._complete, {}
+        self.backend.write(self._chunk, groups)
+        self._chunk += 1
+        self._written += len(groups)
+        with self.state.cond:
+            self.state.groups_written += len(groups)
+            for g, items in groups.items():
+                self.state.unused[g] = min(item.result.version for item in items)
+            self.state.cond.notify_all()
+
+    def run_once(self) -> bool:
+        """One window: collect the last drain, admit groups, start the next drain, write finished groups.
+
+        Returns False when there is nothing to do (nothing in flight and the
+        gate closed); the caller then waits.
+        """
+        if self._handle is not None:
+            drained = self.backend.wait_drain(self._handle)
+            self._handle = None
+            tokens = finished = 0
+            for item in drained.finished:
+                tokens += item.tokens
+                if item.group in self._abandoned:  # finished before its abort reached the engine
+                    continue
+                finished += 1
+                self._partial.setdefault(item.group, []).append(item)
+                if len(self._partial[item.group]) == self.backend.samples_per_group:
+                    self._complete[item.group] = self._partial.pop(item.group)
+            # Admission is in whole groups, so a full engine sits up to one group below the target.
+            saturated = self._in_flight + self.backend.samples_per_group > self.controller.target
+            self._in_flight -= finished
+            with self.state.cond:
+                self.state.engine_busy_s += drained.busy_s
+                self.state.generated_tokens += tokens
+            self.controller.observe(tokens, drained.busy_s, saturated)
+            self._abandon_expired()
+        self._admit()
+        if self._in_flight > 0:
+            self._handle = self.backend.start_drain(self.window_s)
+        self._flush()
+        return self._handle is not None
+
+    def run(self) -> None:
+        """Until ``state.stop``: run windows; wait on the state while the gate holds generation back.
+
+        An exception stops both loops (``state.error`` keeps it for the caller).
+        """
+        try:
+            self._run()
+        except BaseException as exc:
+            with self.state.cond:
+                self.state.error = exc
+            self.state.request_stop()
+
+    def _run(self) -> None:
+        while True:
+            with self.state.cond:
+                if self.state.stop:
+                    break
+            if not self.run_once():
+                with self.state.cond:
+                    if not self.state.stop:
+                        self.state.cond.wait(timeout=self.idle_poll_s)
+        if self._handle is not None:  # let the engine finish its window; results are dropped with the run
+            self.backend.wait_drain(self._handle)
+            self._handle = None
+        self._flush(force=True)

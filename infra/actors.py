@@ -1,0 +1,359 @@
+"""The Ray actors that host a run's engines and its trainer.
+
+Actors are named inside a per-run Ray namespace (``infra.placement`` starts
+them), so Prefect tasks find them by name (a reference) instead of receiving
+clients. Weights travel from the trainer to the engines through Ray's object
+store, never through the driver. Both restore their state when Ray restarts
+them after their process died.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import ray
+import torch
+
+from reflow.config.schema import ReflowConfig
+from reflow.infra.run import latest_checkpoint
+from reflow.policies.batch import train_samples_from_table
+from reflow.policies.engines import Engine, EngineSettings
+from reflow.policies.hf_engine import TransformersEngine
+from reflow.policies.models import load_tokenizer
+from reflow.policies.multiturn import MultiTurnEngine, ToolSettings
+from reflow.policies.rounds import SlotMeter, run_round
+from reflow.policies.trainer import Trainer
+from reflow.policies.vllm_engine import VLLMEngine
+from reflow.storage import queries
+from reflow.storage.delta_store import DeltaTrajectoryStore
+from reflow.storage.metrics import BatchStats, TrainStep
+from reflow.storage.recent import RecentTrajectories
+from reflow.storage.schema import Drain, GenBatch
+
+
+def _restarted() -> bool:
+    """Whether this actor is a restart by Ray of one that died (its state is gone)."""
+    try:
+        return ray.get_runtime_context().was_current_actor_reconstructed
+    except Exception:  # not inside an actor (unit tests call the classes directly)
+        return False
+
+
+class EngineWorker:
+    """Hosts one generation ``Engine`` in its own process.
+
+    Ray restarts it when its process dies (``max_restarts``) and re-issues the
+    calls that were in flight (``max_task_retries``); a restarted engine first
+    loads the trainer's current weights, so it does not generate with the
+    initial ones. Each start has its own ``incarnation``: callers that
+    submitted requests to an earlier one re-submit those still unfinished.
+
+    With ``nice`` (``ELASTIC_NICE`` for ``resources.elastic_engines``) the
+    process sets its own priority to that first, below the other workers
+    (Ray starts them at nice 15), so it generates mostly on spare cycles:
+    on a core the trainer also wants it gets about 30% (scheduler weights
+    15 against 36).
+
+    With ``tools`` (``policies.multiturn.ToolSettings``) and ``tool_fn`` (what one
+    tool call runs, e.g. ``envs.tools.run_tool_call``) the engine is wrapped in
+    a ``MultiTurnEngine``: tool calls run as Ray tasks while generation goes on.
+    """
+
+    def __init__(self, kind: str, settings: Any, version: int = 0, trainer: str | None = None,
+                 tools: Any = None, tool_fn: Any = None, nice: int = 0) -> None:
+        if nice:  # an elastic engine: below every other worker (Ray starts them at nice 15), driver and server
+            os.nice(nice - os.getpriority(os.PRIO_PROCESS, 0))
+        torch.set_num_threads(settings.threads)
+        self._incarnation = uuid.uuid4().hex
+        if trainer is not None and _restarted():
+            weights, version = ray.get(ray.get_actor(trainer).weights_and_version.remote())
+            self.engine = make_engine(kind, settings, version)
+            self.engine.update_weights(weights, version)
+        else:
+            self.engine = make_engine(kind, settings, version)
+        if settings.warm_up and hasattr(self.engine, "warm_up"):  # vLLM only: the transformers engine has none
+            self.engine.warm_up()
+        if tools is not None:
+            self.engine = _multi_turn(self.engine, settings.model_dir, tools, tool_fn)
+        self.max_sequences = settings.max_concurrent_sequences
+
+    def generate(self, requests: Sequence[Any]) -> Any:
+        """All ``requests`` to completion, as a ``GenBatch`` (results, engine seconds, slot-time)."""
+        start = time.perf_counter()  # engine-side busy time, reported to the control plane
+        if self.engine.num_unfinished():  # parked by a sorted round (``run_round``): not to be run on these weights
+            self.engine.abort(self.engine.pending_ids())  # (the rollout cache has them; they resume by prefill)
+        meter = SlotMeter(self.engine, self.max_sequences)
+        self.engine.submit(requests)
+        results = []
+        while self.engine.num_unfinished():
+            results.extend(meter.collect(max_steps=4))
+        return GenBatch(results=results, seconds=time.perf_counter() - start,
+                        busy_slot_seconds=meter.busy_slot_seconds, slots=min(len(requests), self.max_sequences))
+
+    def submit(self, requests: Sequence[Any]) -> int:
+        """Queue ``requests`` in the running engine (streaming modes); returns the number in flight.
+
+        Requests already running are skipped: after a restart both Ray's retry
+        of a queued ``submit`` and the caller's re-submission may bring them.
+        """
+        running = set(self.engine.pending_ids())
+        self.engine.submit([r for r in requests if r.request_id not in running])
+        return self.engine.num_unfinished()
+
+    def drain(self, window_s: float) -> Any:
+        """Step the engine for about ``window_s`` seconds; a ``Drain`` of what finished meanwhile."""
+        start = time.perf_counter()
+        meter = SlotMeter(self.engine, self.max_sequences)
+        results = []
+        while self.engine.num_unfinished() and time.perf_counter() - start < window_s:
+            results.extend(meter.collect(max_steps=2))
+        return Drain(results=results, seconds=time.perf_counter() - start, in_flight=self.engine.num_unfinished(),
+                     busy_slot_seconds=meter.busy_slot_seconds, incarnation=self._incarnation)
+
+    def run_round(self, queue: Sequence[Any], rule: Any) -> Any:
+        """One length-aware round in one call (``policies.engines.run_round``): a ``RoundRun``.
+
+        The engine stays full from ``queue`` until ``rule`` is met, then the
+        rest is aborted, or with ``rule.park`` left running for the next
+        round (the rollout cache holds its tokens either way). Ray's retry of
+        the call on a restarted actor runs the round again: the new engine
+        holds nothing, so parked requests resume by prefill.
+        """
+        return run_round(self.engine, queue, rule, self.max_sequences, park=getattr(rule, "park", False))
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> list[Any]:
+        """Abort the named requests (all in flight when None); their partial results."""
+        return self.engine.abort(self.engine.pending_ids() if request_ids is None else request_ids)
+
+    def update_weights(self, state: dict[str, Any], version: int) -> int:
+        """Load new weights in place; requests in flight continue with them."""
+        self.engine.update_weights(state, version)
+        return version
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def incarnation(self) -> str:
+        """Which start of this actor answers (changes when Ray restarts it)."""
+        return self._incarnation
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayToolRunner:
+    """Each call is a Ray task (``cpus_per_call`` CPUs) running ``fn(transcript, timeout_s, max_chars)``.
+
+    At most ``max_concurrent_calls`` tasks run at once (the rest queue here),
+    so a burst of calls does not start a worker process per call.
+    """
+
+    def __init__(self, fn: Callable[[str, float, int], str], settings: ToolSettings) -> None:
+        self._remote = ray.remote(fn).options(num_cpus=settings.cpus_per_call, max_retries=1)
+        self.settings = settings
+        self._queue: deque[tuple[str, str]] = deque()
+        self._running: dict[Any, str] = {}  # object ref -> key
+
+    def start(self, key: str, transcript: str) -> None:
+        self._queue.append((key, transcript))
+        self._launch()
+
+    def _launch(self) -> None:
+        while self._queue and len(self._running) < self.settings.max_concurrent_calls:
+            key, transcript = self._queue.popleft()
+            ref = self._remote.remote(transcript, self.settings.timeout_s, self.settings.max_output_chars)
+            self._running[ref] = key
+
+    def ready(self, timeout_s: float) -> list[tuple[str, str]]:
+        if not self._running:
+            return []
+        # Returns when all are done or after the timeout, with those done by then.
+        done, _ = ray.wait(list(self._running), num_returns=len(self._running), timeout=timeout_s)
+        out = [(self._running.pop(ref), ray.get(ref)) for ref in done]
+        self._launch()
+        return out
+
+    def pending(self) -> int:
+        return len(self._queue) + len(self._running)
+
+
+def make_engine(kind: str, settings: EngineSettings, version: int = 0) -> Engine:
+    """The engine ``rollout.engine`` names; vLLM errors name the missing package."""
+    if kind == "vllm":
+        try:
+            import vllm  # noqa: F401 - only to say which extra to install
+        except ImportError as exc:
+            raise RuntimeError("rollout.engine='vllm' but vLLM is not installed; install the 'cpu' or "
+                               "'gpu' extra, or set rollout.engine='transformers'") from exc
+        return VLLMEngine(settings, version)
+    if kind == "transformers":
+        return TransformersEngine(settings, version, device="cuda" if torch.cuda.is_available() else "cpu")
+    raise ValueError(f"unknown rollout.engine {kind!r}")
+
+
+def _multi_turn(engine: Engine, model_dir: str, tools: ToolSettings, tool_fn: Any) -> MultiTurnEngine:
+    tok = load_tokenizer(model_dir)
+    return MultiTurnEngine(engine, tools, RayToolRunner(tool_fn, tools),
+                           encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
+                           decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+
+
+@dataclass
+class _Prefetch:
+    """A batch ``TrainerWorker.prefetch`` reads: ``read`` is set (None if it failed) before ``done``."""
+
+    key: tuple  # run id, trajectory ids, loss weights, versions: what the ``train`` call must match
+    done: threading.Event = field(default_factory=threading.Event)
+    read: Any = None  # (rows, samples)
+
+
+class TrainerWorker:
+    """Hosts the ``Trainer``; reads its batches from the trajectory store itself.
+
+    Ray restarts it when its process dies; a restarted trainer loads the
+    run's newest checkpoint and replays the steps the ``usage`` log records
+    after it (same trajectories, same loss weights), then Ray re-issues the
+    call that was in flight.
+    """
+
+    def __init__(self, model_dir: str, config_json: str, store_root: str, threads: int,
+                 run_dir: str | None = None, run_id: str | None = None) -> None:
+        torch.set_num_threads(threads)
+        cfg = ReflowConfig.model_validate_json(config_json)
+        device = cfg.train.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.store_root = store_root
+        self.store = None
+        self.recent = None
+        self.trainer = Trainer(model_dir, cfg.train, cfg.run.seed, device=device, dtype=cfg.model.dtype)
+        self.max_staleness = cfg.buffer.max_staleness_versions  # no later batch reads below version - this
+        self.replayed: dict[int, Any] = {}  # version a step started at -> its result, for steps replayed by recover
+        self._prefetch_lock = threading.Lock()
+        self._prefetched: _Prefetch | None = None  # the last batch ``prefetch`` was asked to read
+        self.prefetch_hits = 0  # steps whose batch ``prefetch`` had read
+        # Before ``launch_workers`` returns, so off the run's clock; lengths up to the longest response plus an
+        # arith prompt (a longer prompt's shapes take what more memory they need at their first step).
+        if cfg.train.warm_up:
+            self.trainer.warm_up(cfg.rollout.max_response_tokens + 64)
+        if run_dir is not None and run_id is not None and _restarted():
+            self.recover(run_dir, run_id)
+
+    def recover(self, run_dir: str, run_id: str) -> int:
+        """Newest checkpoint of ``run_dir``, then every later step of the usage log; returns the version."""
+        found = latest_checkpoint(run_dir)
+        done = -1
+        if found is not None:
+            done = found[0]
+            self.trainer.load_checkpoint(found[1])
+        for batch in queries.recorded_batches_after(DeltaTrajectoryStore(self.store_root), run_id, done):
+            version = self.trainer.version
+            self.replayed[version] = self.train(run_id, list(batch), list(batch.values()))
+        return self.trainer.version
+
+    def train(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float],
+              versions: tuple[int, int] | None = None, expect_version: int | None = None) -> TrainStep:
+        """One step on the named trajectories (advantages computed per whole GRPO group).
+
+        ``versions`` (lowest, highest policy version of the batch) lets the
+        read skip every other partition of the table, and lets it come from
+        the files already read (``storage.recent``: only new files are read).
+        ``expect_version``: the version the step must start at. A step that
+        ``recover`` already replayed from the usage log (Ray re-issues the
+        call a dead trainer was running) returns that result instead of
+        training twice; any other mismatch is an error.
+        """
+        if expect_version is not None and expect_version != self.trainer.version:
+            if expect_version in self.replayed:
+                return self.replayed[expect_version]
+            raise RuntimeError(f"trainer: a step for version {expect_version} reached the trainer at version "
+                               f"{self.trainer.version}")
+        start = time.perf_counter()
+        read = self._take_prefetched((run_id, tuple(trajectory_ids), tuple(loss_weights), versions))
+        prefetched = read is not None
+        if read is None:
+            read = self._read(run_id, trajectory_ids, loss_weights, versions)
+        self.prefetch_hits += prefetched
+        table, samples = read
+        read_s = time.perf_counter() - start
+        step = self.trainer.step(samples)
+        batch = BatchStats.of(table.column("reward").to_pylist(), table.column("correct").to_pylist(),
+                              table.column("response_length").to_pylist())
+        return dataclasses.replace(step, trainer_read_seconds=read_s, trainer_batch_prefetched=prefetched, batch=batch)
+
+    def prefetch(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float],
+                 versions: tuple[int, int] | None) -> None:
+        """Read the batch of the next ``train`` call while the step before computes.
+
+        Called in the actor's ``read`` concurrency group (``launch_workers``),
+        so it runs beside a ``train`` call. The ``train`` call with the same
+        batch takes the rows and samples read here (waiting for them if the
+        read is still going); any other batch is read by ``train`` itself.
+        A failed read is left to ``train``, which reads again and reports it.
+        """
+        entry = _Prefetch((run_id, tuple(trajectory_ids), tuple(loss_weights), versions))
+        with self._prefetch_lock:
+            self._prefetched = entry
+        try:
+            entry.read = self._read(run_id, trajectory_ids, loss_weights, versions)
+        except Exception:  # noqa: BLE001 - train reads again and raises it there
+            entry.read = None
+        entry.done.set()
+
+    def _take_prefetched(self, key: tuple) -> Any | None:
+        """What ``prefetch`` read for ``key`` (waiting for a read under way); None: not prefetched."""
+        with self._prefetch_lock:
+            entry, self._prefetched = self._prefetched, None
+        if entry is None or entry.key != key:
+            return None
+        entry.done.wait()
+        return entry.read
+
+    def _read(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float],
+              versions: tuple[int, int] | None) -> tuple[Any, list]:
+        """The batch's rows and its ``TrainSample`` list (advantages computed per whole GRPO group)."""
+        with self._prefetch_lock:
+            if self.store is None:
+                self.store = DeltaTrajectoryStore(self.store_root)  # kept open: later reads see only new commits
+                self.recent = RecentTrajectories(self.store)
+                self.recent.keep_fresh()  # new files are read as they are committed, from the first read on
+        if versions is None:
+            table = self.store.read_trajectories(run_id=run_id, ids=trajectory_ids)
+        else:
+            table = self.recent.read(run_id, trajectory_ids, versions,
+                                     keep_from=self.trainer.version - self.max_staleness)
+        if table.num_rows != len(set(trajectory_ids)):
+            raise RuntimeError(f"trainer: {len(set(trajectory_ids))} trajectories selected, "
+                               f"{table.num_rows} found in {self.store_root}")
+        return table, train_samples_from_table(table, dict(zip(trajectory_ids, loss_weights)),
+                                               self.trainer.cfg.advantage_estimator)
+
+    def export_weights(self) -> dict[str, Any]:
+        return self.trainer.export_weights()
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def weights_and_version(self) -> tuple[dict[str, Any], int]:
+        """The current weights and their version, consistent with each other."""
+        return self.trainer.export_weights(), self.trainer.version
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def save_checkpoint(self, path: str) -> str:
+        return str(self.trainer.save_checkpoint(path))
+
+    def load_checkpoint(self, path: str) -> int:
+        return self.trainer.load_checkpoint(path)
+
+    def save_hf(self, path: str) -> str:
+        return str(self.trainer.save_hf(path))

@@ -1,0 +1,120 @@
+"""Where a run's actors live: starting or joining Ray, launching the engine and trainer actors, stopping them.
+
+The actors (``infra.actors``) are named inside a per-run Ray namespace;
+``actor(name, namespace)`` is how a task reaches one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from reflow.config.load import config_to_json
+from reflow.config.schema import ReflowConfig
+from reflow.infra.actors import EngineWorker, TrainerWorker
+from reflow.infra.signals import interrupt_on_signals
+from reflow.policies.multiturn import ToolSettings
+
+# The priority of elastic engines (``resources.elastic_engines``): the lowest (they still slow the trainer some).
+ELASTIC_NICE = 19
+
+
+# glibc malloc in every worker: freed memory stays in the process (one arena, never trimmed; blocks up to
+# 32 MiB, glibc's largest threshold, come from that heap instead of mmap). On a VM that hands freed guest
+# memory back to its host (virtio-balloon free page reporting, as on the CPU machines here) touching it again
+# costs 4 to 10 s per GiB: a trainer step after a two-second pause paid up to twice its compute in page faults.
+RESIDENT_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+                   "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """Environment of the engine and trainer actors: quiet logs, ``threads`` torch threads, ``RESIDENT_MALLOC``."""
+    return {"OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1",
+            "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", **RESIDENT_MALLOC}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Names of a run's actors inside its Ray namespace."""
+
+    namespace: str
+    engines: tuple[str, ...]
+    trainer: str
+
+
+# Named actors that are not detached die with their last handle; the process
+# that launched them keeps the handles here until ``stop_workers``.
+_HANDLES: dict[str, list[Any]] = {}
+
+
+def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
+    """Join the configured cluster, or start a quiet local Ray."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": verbose,
+                              "configure_logging": True, "logging_level": "warning"}
+    if cfg.resources.ray_address:
+        ray.init(address=cfg.resources.ray_address, **kwargs)
+    else:
+        ray.init(num_cpus=cfg.resources.num_cpus, include_dashboard=False, **kwargs)
+    interrupt_on_signals()  # Ray replaced the handler
+
+
+def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root: str,
+                   engine_settings: Any, version: int = 0, run_dir: str | None = None,
+                   run_id: str | None = None, tool_fn: Any = None) -> Placement:
+    """Create the engine actors (the main one plus ``resources.elastic_engines``) and the trainer; wait for all.
+
+    All are restarted by Ray up to ``resources.max_actor_restarts`` times if
+    their process dies, and the calls in flight are re-issued (see the
+    classes for how each restores its state). With ``cfg.tools.max_calls > 0``
+    the engine runs multi-turn tool use and ``tool_fn`` (transcript,
+    timeout_s, max_chars) -> appended text is its tool.
+    """
+    t = cfg.tools
+    tools = None
+    if t.max_calls:
+        if tool_fn is None:
+            raise ValueError("tools.max_calls > 0 but no tool function was given to launch_workers")
+        tools = ToolSettings(max_calls=t.max_calls, max_output_chars=t.max_output_chars, timeout_s=t.timeout_s,
+                             cpus_per_call=t.cpus_per_call, max_concurrent_calls=t.max_concurrent_calls)
+
+    res = cfg.resources
+    env = {"env_vars": worker_env(res.torch_threads)}
+    restarts = {"max_restarts": res.max_actor_restarts, "max_task_retries": -1 if res.max_actor_restarts else 0}
+    trainer_name = "trainer"
+    engine_names = tuple(f"engine-{i}" for i in range(1 + res.elastic_engines))
+    engines = [ray.remote(EngineWorker).options(
+        name=name, namespace=namespace, num_cpus=res.engine_cpus if i == 0 else 0,
+        num_gpus=res.engine_gpus if i == 0 else 0, runtime_env=env, max_concurrency=1, **restarts).remote(
+            cfg.rollout.engine, engine_settings, version, trainer_name, tools, tool_fn, ELASTIC_NICE if i else 0)
+        for i, name in enumerate(engine_names)]
+    # "read": ``prefetch`` runs beside ``train`` (every other method runs one at a time, in call order)
+    trainer = ray.remote(concurrency_groups={"read": 1})(TrainerWorker).options(
+        name=trainer_name, namespace=namespace, num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
+        runtime_env=env, **restarts).remote(model_dir, config_to_json(cfg), store_root, res.torch_threads,
+                                            run_dir, run_id)
+    _HANDLES[namespace] = [*engines, trainer]
+    ray.get([*(e.version.remote() for e in engines), trainer.version.remote()])
+    return Placement(namespace=namespace, engines=engine_names, trainer=trainer_name)
+
+
+def actor(name: str, namespace: str) -> Any:
+    """A run's actor by name."""
+    return ray.get_actor(name, namespace=namespace)
+
+
+def stop_workers(placement: Placement) -> None:
+    """Kill the run's actors (their processes exit) and disconnect from Ray."""
+    for name in (*placement.engines, placement.trainer):
+        try:
+            ray.kill(ray.get_actor(name, namespace=placement.namespace))
+        except ValueError:
+            pass
+    _HANDLES.pop(placement.namespace, None)
+    ray.shutdown()

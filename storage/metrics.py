@@ -1,0 +1,198 @@
+"""What a run logs, defined once: the figures of one step and the line of ``steps.jsonl``.
+
+Every metric a step logs is a field of one of the records below, and the
+field's name is the metric's name in MLflow and in ``steps.jsonl``: the
+records travel from the worker that measured them to the tracker as they
+are, and ``StepMetrics.as_dict`` flattens them. A field that is not a metric
+carries ``NOT_LOGGED`` in its metadata; a part, or a field, left ``None`` is
+one the mode does not produce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+NOT_LOGGED = {"logged": False}
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What a batch looked like: the rewards and response lengths of its rows."""
+
+    reward_mean: float
+    accuracy: float  # share of rows whose final answer was correct
+    response_length_mean: float  # tokens
+    response_length_p50: float
+    response_length_p99: float
+
+    @classmethod
+    def of(cls, rewards: Sequence[float], correct: Sequence[bool], lengths: Sequence[int]) -> "BatchStats":
+        """The figures of these rows (all 0 for none)."""
+        if not len(rewards):
+            return cls(0.0, 0.0, 0.0, 0.0, 0.0)
+        lengths_ = np.asarray(lengths, dtype=float)
+        return cls(reward_mean=float(np.mean(rewards)), accuracy=float(np.mean(correct)),
+                   response_length_mean=float(lengths_.mean()), response_length_p50=float(np.percentile(lengths_, 50)),
+                   response_length_p99=float(np.percentile(lengths_, 99)))
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """One optimiser step as the trainer reports it (``policies.trainer.Trainer.step``).
+
+    The trainer actor adds how it read the batch (``trainer_read_seconds``,
+    ``trainer_batch_prefetched``) and what the batch looked like (``batch``).
+    Ratios, entropy, KL and clip fraction are means over the tokens trained on.
+    """
+
+    version: int = field(metadata=NOT_LOGGED)  # weights version after the step (logged as policy_version)
+    loss: float = 0.0
+    kl: float = 0.0  # k3 estimate to the reference policy (0 without one)
+    entropy: float = 0.0
+    grad_norm: float = 0.0  # before clipping
+    clip_fraction: float = 0.0
+    importance_ratio_mean: float = 1.0  # exp(logp - behaviour logp)
+    learning_rate: float = 0.0  # the step's rate (``train.lr_by_weight`` scales it)
+    trained_tokens: int = 0  # loss tokens that went through forward and backward
+    skipped_tokens: int = 0  # loss tokens of samples skipped because their gradient is exactly zero
+    skipped_samples: int = field(default=0, metadata=NOT_LOGGED)
+    micro_batches: int = field(default=0, metadata=NOT_LOGGED)
+    trainer_seconds: float = field(default=0.0, metadata=NOT_LOGGED)  # computing the step (idle fractions use it)
+    trainer_read_seconds: float = 0.0  # reading the batch from Delta and building the samples, before the step
+    trainer_batch_prefetched: bool = False  # the batch was read while the step before computed (reflow)
+    batch: BatchStats | None = field(default=None, metadata=NOT_LOGGED)  # the rows trained on
+
+
+@dataclass(frozen=True)
+class EvalStats:
+    """Held-out accuracy of one evaluation (the warm start is step -1)."""
+
+    step: int = field(metadata=NOT_LOGGED)
+    eval_accuracy: float
+    eval_reward_mean: float
+    eval_response_length_mean: float
+    eval_seconds: float
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    """What one rollout round (plain or SortedRL) produced, as the score task reports it."""
+
+    step: int = field(metadata=NOT_LOGGED)
+    batch: BatchStats = field(metadata=NOT_LOGGED)  # the scored rows (the step trains on exactly these)
+    samples: int = field(metadata=NOT_LOGGED)
+    generated_tokens: int = field(metadata=NOT_LOGGED)  # logged per step by ``StepTimes``
+    rollout_seconds: float = 0.0  # engine time spent on the round
+    score_seconds: float = 0.0  # scoring and writing the trajectories
+    rollout_bubble_ratio: float = 0.0  # share of engine slot-time idle while the round was open
+    resumed_requests: int = 0  # sorted rounds: partial responses resumed
+    aborted_requests: int = 0  # sorted rounds: requests aborted at the round's end
+    cached_groups: int = 0  # sorted rounds: groups left in the rollout cache
+    prefill_tokens: int = 0  # prompt tokens prefilled (sorted rounds: resumed prefixes included)
+    resumed_prefix_tokens: int = 0  # sorted rounds: resumed prefixes prefilled again
+    continued_requests: int = 0  # sorted rounds: resumed partials still running in the engine (parked)
+    tool_calls: int = 0  # tool outputs appended (multi-turn tool use)
+    elastic_tokens: int = field(default=0, metadata=NOT_LOGGED)  # of generated_tokens, by elastic engines
+    trajectories_delta_version: int = -1  # the append's table version (-1: written by an earlier attempt)
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """What the streaming selector saw in one step: the batch's composition and the loops' state."""
+
+    engine_tokens_per_s: float  # generated tokens per engine-busy second
+    replay_share: float  # share of the batch's samples trained on before
+    reuse_mean: float
+    reuse_max: float
+    fresh_samples: int  # generated by the weights the step trains
+    stale_samples: int  # older, never trained on
+    replayed_samples: int
+    concurrency_target: int  # in-flight requests the feeder aims for
+    groups_expired: int  # written groups that aged out unused (run total)
+    groups_abandoned: int  # groups given up in flight (run total)
+    staleness_hist: tuple[int, ...]  # samples per age 0..max_staleness_versions (logged as staleness_hist_<age>)
+    select_seconds: float = 0.0  # the step's batch query
+    push_seconds: float = 0.0  # sending the weights to the engines
+    previous_log_seconds: float = 0.0  # logging the step before (known only after it)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Where one step's time went, and the figures every mode computes the same way."""
+
+    step_seconds: float  # since the previous step was recorded
+    update_seconds: float  # the update task, trainer and usage log
+    generator_idle_fraction: float  # share of the step the engines did not generate
+    trainer_idle_fraction: float  # share of the step the trainer did not compute
+    generated_tokens: int
+    generated_tokens_per_s: float  # rounds: per engine second; streaming: per step second
+    trained_tokens_per_s: float  # per trainer second
+    elastic_token_share: float  # share of the generated tokens made by elastic engines
+    staleness_mean: float  # trainer version minus generating version, over the batch
+    staleness_max: int
+    policy_version: int  # after the step
+    samples: int  # trajectories trained on
+    usage_delta_version: int  # the usage append's table version (-1: written by an earlier attempt)
+    machine_cpu_idle_fraction: float | None = None  # the whole machine's, since the previous step (None: unknown)
+    sync_weights_seconds: float | None = None  # rounds: the blocking weight sync
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """Every figure of one step; ``as_dict`` is what MLflow and ``steps.jsonl`` get."""
+
+    batch: BatchStats
+    train: TrainStep
+    times: StepTimes
+    rollout: RolloutStats | None = None  # rounds
+    stream: StreamStats | None = None  # streaming modes
+    evaluation: EvalStats | None = None  # an inline evaluation at this step
+    eval_accuracy_baseline: float | None = None  # the warm start's held-out accuracy
+
+    def as_dict(self) -> dict[str, float]:
+        """Metric name -> value, parts flattened by field name; ``None`` and ``NOT_LOGGED`` fields left out."""
+        out: dict[str, float] = {}
+        for part in (self.batch, self.train, self.times, self.rollout, self.stream, self.evaluation):
+            if part is not None:
+                out.update(metric_values(part))
+        if self.eval_accuracy_baseline is not None:
+            out["eval_accuracy_baseline"] = self.eval_accuracy_baseline
+        return out
+
+
+def metric_values(record: Any) -> dict[str, float]:
+    """The logged fields of one metrics record as floats (``staleness_hist`` as ``staleness_hist_<age>``)."""
+    out: dict[str, float] = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if value is None or not f.metadata.get("logged", True):
+            continue
+        if isinstance(value, tuple):
+            out.update({f"{f.name}_{i}": float(v) for i, v in enumerate(value)})
+        else:
+            out[f.name] = float(value)
+    return out
+
+
+class StepRecord(BaseModel):
+    """One line of ``steps.jsonl``: a step's metrics as logged to MLflow."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int
+    policy_version: int
+    elapsed_s: float
+    metrics: dict[str, float]
+
+
+def eval_points(steps: list[StepRecord]) -> list[tuple[float, float]]:
+    """(elapsed seconds, eval accuracy) of the warm-start baseline (t=0) and of the steps that evaluated."""
+    baseline = steps[0].metrics.get("eval_accuracy_baseline") if steps else None
+    points = [(0.0, baseline)] if baseline is not None else []
+    return points + [(r.elapsed_s, r.metrics["eval_accuracy"]) for r in steps if "eval_accuracy" in r.metrics]

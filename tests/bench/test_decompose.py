@@ -1,0 +1,76 @@
+"""The speedup decomposition: data x utilisation x efficiency, and the machine's ceiling."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from reflow.bench import decompose, mode_bench
+from tests.bench.test_mode_bench import _result
+
+
+def _run(out: Path, mode: str, ttt: float | None, samples: float | None, cpu_idle: float | None,
+         seed: int = 0) -> mode_bench.ModeResult:
+    return dataclasses.replace(_result(out, mode, seed, ttt), samples_to_target=samples, cpu_idle=cpu_idle)
+
+
+def test_decompose_by_hand() -> None:
+    # sync: 2,000 samples in 40 s (50/s) with 20% of the machine idle; reflow: 2,500 in 25 s (100/s), none idle.
+    # speedup 40/25 = 1.6 = data 2000/2500 (0.8) x utilisation 1.0/0.8 (1.25) x efficiency 1.6 (residual).
+    sync, reflow = _run(Path("o"), "sync", 40.0, 2000.0, 0.2), _run(Path("o"), "reflow", 25.0, 2500.0, 0.0)
+    parts = decompose.decompose(reflow, sync)
+    assert parts == pytest.approx({"speedup": 1.6, "data": 0.8, "utilisation": 1.25, "efficiency": 1.6,
+                                   "ceiling": 1.25})
+    # efficiency is the ratio of new samples per busy machine-second: 100 / 1.0 against 50 / 0.8
+    assert parts["efficiency"] == pytest.approx((2500 / 25 / 1.0) / (2000 / 40 / 0.8))
+
+
+@pytest.mark.parametrize("field, value", [("time_to_target_s", None), ("time_to_target_s", 0.0),
+                                          ("samples_to_target", None), ("cpu_idle", None), ("cpu_idle", 1.0)])
+def test_decompose_needs_every_figure(field: str, value: float | None) -> None:
+    sync, reflow = _run(Path("o"), "sync", 40.0, 2000.0, 0.2), _run(Path("o"), "reflow", 25.0, 2500.0, 0.0)
+    assert decompose.decompose(reflow, sync) is not None
+    assert decompose.decompose(dataclasses.replace(reflow, **{field: value}), sync) is None
+    assert decompose.decompose(reflow, dataclasses.replace(sync, **{field: value})) is None
+
+
+def test_speed_limits_per_seed_against_sync_and_the_fastest_baseline(tmp_path: Path) -> None:
+    a = tmp_path / "a"
+    results = [
+        # seed 0: async (30 s) is the fastest baseline, one_step_off never reached the target
+        _run(a, "sync", 40.0, 2000.0, 0.2), _run(a, "one_step_off", None, None, 0.1),
+        _run(a, "async", 30.0, 3000.0, 0.0), _run(a, "reflow", 25.0, 2500.0, 0.0),
+        # seed 1: sync is the fastest baseline; no CPU figures for async (an older run)
+        _run(a, "sync", 20.0, 1000.0, 0.5, seed=1), _run(a, "async", 30.0, 1500.0, None, seed=1),
+        _run(a, "reflow", 20.0, 1000.0, 0.0, seed=1),
+    ]
+    limits = decompose.speed_limits(results)
+    s0, s1 = limits["per_seed"]
+    assert (s0["seed"], s0["invocation"], s0["vs_sync"]["against"], s0["vs_best_baseline"]["against"]) == \
+        (0, "a", "sync", "async")
+    # 2x sync at a ceiling of 1.25 needs data x efficiency >= 2 x 0.8 = 1.6; reflow has 0.8 x 1.6 = 1.28
+    assert s0["vs_sync"]["needed"] == pytest.approx(1.6) and s0["vs_sync"]["target"] == 2.0
+    # against async: 30/25 = 1.2 = data 1.2 x utilisation 1.0 x efficiency 1.0; 1.3x needs 1.3
+    assert s0["vs_best_baseline"] == pytest.approx({"against": "async", "speedup": 1.2, "data": 1.2,
+                                                    "utilisation": 1.0, "efficiency": 1.0, "ceiling": 1.0,
+                                                    "target": 1.3, "needed": 1.3})
+    # seed 1: sync at half the machine idle: the ceiling is 2.0; 2x needs data x efficiency >= 1.0
+    same = ("against", "speedup", "data", "utilisation", "efficiency", "ceiling")
+    assert {k: s1["vs_sync"][k] for k in same} == {k: s1["vs_best_baseline"][k] for k in same}
+    assert s1["vs_best_baseline"]["target"] == 1.3 and s1["vs_best_baseline"]["needed"] == pytest.approx(0.65)
+    assert s1["vs_sync"]["ceiling"] == pytest.approx(2.0) and s1["vs_sync"]["needed"] == pytest.approx(1.0)
+    assert s1["vs_sync"]["efficiency"] == pytest.approx(0.5)
+    text = decompose.limits_table(limits)
+    assert "a/s0 vs sync: 1.60x = data 0.80 x utilisation 1.25 (ceiling 1.25) x efficiency 1.60; " \
+           "2.0x needs data x efficiency >= 1.60, has 1.28" in text
+    assert "a/s0 vs async (best baseline): 1.20x = data 1.20 x utilisation 1.00 (ceiling 1.00)" in text
+    assert "a/s1 vs sync (best baseline): 1.00x" in text
+
+
+def test_limits_table_says_when_no_seed_has_the_figures(tmp_path: Path) -> None:
+    results = [_run(tmp_path, "sync", 40.0, 2000.0, None), _run(tmp_path, "reflow", 25.0, 2500.0, None)]
+    limits = decompose.speed_limits(results)
+    assert "vs_sync" not in limits["per_seed"][0]
+    assert "no seed with the figures" in decompose.limits_table(limits)

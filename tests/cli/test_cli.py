@@ -1,0 +1,224 @@
+"""Bad input exits with code 2, names the problem, and creates nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _reflow(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "reflow.cli.main", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env={**os.environ})
+
+
+def test_help_is_fast_and_lists_commands(tmp_path: Path) -> None:
+    proc = _reflow("--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "run" in proc.stdout and "model" in proc.stdout
+    check = subprocess.run([sys.executable, "-c", "import sys, reflow.cli.main; "
+                            "print(sorted(m for m in ('torch','ray','vllm','prefect') if m in sys.modules))"],
+                           capture_output=True, text=True)
+    assert check.stdout.strip() == "[]"  # nothing heavy imported to parse arguments
+
+
+def test_bad_override_exits_2_and_names_field(tmp_path: Path) -> None:
+    proc = _reflow("run", "--set", "rollout.samples_per_prompt=0", "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "rollout.samples_per_prompt" in proc.stderr and "greater than or equal to 1" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_field_in_file_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rollout]\nprompts_per_stepp = 4\n")
+    proc = _reflow("run", "--config", str(bad), "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2 and "rollout.prompts_per_stepp" in proc.stderr and "unknown field" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_invalid_toml_and_missing_file_exit_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\n")
+    assert _reflow("run", "--config", str(bad), cwd=tmp_path).returncode == 2
+    proc = _reflow("run", "--config", str(tmp_path / "nope.toml"), cwd=tmp_path)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_missing_model_path_exits_2(tmp_path: Path) -> None:
+    proc = _reflow("run", "--set", f'model.path="{tmp_path / "no-model"}"', "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2 and "model.path" in proc.stderr and "does not exist" in proc.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = _reflow("run", "--set", f'model.path="{empty}"', "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2 and "no config.json" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unreadable_table_path_exits_2(tmp_path: Path) -> None:
+    root = tmp_path / "tables"
+    (root / "trajectories").mkdir(parents=True)
+    (root / "trajectories" / "junk.parquet").write_text("not a delta table")
+    proc = _reflow("run", "--set", f'storage.root="{root}"', "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2 and "storage.root" in proc.stderr and "trajectories" in proc.stderr
+    assert (root / "trajectories" / "junk.parquet").read_text() == "not a delta table"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    proc = _reflow("run", "--set", f'storage.root="{afile}"', cwd=tmp_path)
+    assert proc.returncode == 2 and "storage.root" in proc.stderr
+
+
+def test_bench_bad_input_exits_2_and_creates_nothing(tmp_path: Path) -> None:
+    cases = [(["--modes", "sync,warp"], "unknown mode"), (["--seeds", "0,x"], "--seeds"),
+             (["--target-accuracy", "1.5"], "--target-accuracy"),
+             (["--set", "buffer.replay_ratio=2"], "buffer.replay_ratio"),
+             (["--set", "env.eval_prompts=0"], "env.eval_prompts")]
+    for extra, message in cases:
+        proc = _reflow("bench", "--out", "b", *extra, cwd=tmp_path)
+        assert proc.returncode == 2, (extra, proc.stderr)
+        assert message in proc.stderr, (extra, proc.stderr)
+        assert not (tmp_path / "b").exists()
+
+
+def test_bad_dataset_exits_2_before_anything_is_written(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    base = ["run", "--out", "runs", "--set", "env.kind=code", "--set", f'model.path="{model}"']
+    proc = _reflow(*base, "--set", f'env.data_path="{tmp_path / "missing.jsonl"}"', cwd=tmp_path)
+    assert proc.returncode == 2 and "env.data_path" in proc.stderr and "no such file" in proc.stderr
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"prompt": "x", "tests": "[]"}\n')
+    proc = _reflow(*base, "--set", f'env.data_path="{wrong}"', cwd=tmp_path)
+    assert proc.returncode == 2 and "row 0: missing column 'question'" in proc.stderr, proc.stderr
+    math_rows = tmp_path / "math.jsonl"
+    math_rows.write_text('{"question": "1+1?", "answer": "2"}\n')
+    proc = _reflow(*base, "--set", f'env.data_path="{math_rows}"', cwd=tmp_path)  # math rows for the code env
+    assert proc.returncode == 2 and "missing column 'input_output'" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resume_of_a_missing_run_exits_2(tmp_path: Path) -> None:
+    proc = _reflow("resume", "no-such-run", "--out", "runs", cwd=tmp_path)
+    assert proc.returncode == 2 and "'no-such-run' is not a run directory" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_resume_refuses_a_new_config(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    proc = _reflow("run", "--resume", str(run_dir), "--set", "run.total_steps=3", cwd=tmp_path)
+    assert proc.returncode == 2 and "drop --config and --set" in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == []
+
+
+
+def test_interrupt_that_surfaces_as_another_exception_still_exits_130(monkeypatch, capsys) -> None:
+    """Ctrl-C landing inside Prefect's crash handler came out as ValueError("Task run is not set") (CI, exit 1)."""
+    import signal
+
+    from reflow.cli import main as cli
+    from reflow.infra import signals
+
+    def handler(args: object) -> int:
+        try:
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # whatever handler main installed
+        except KeyboardInterrupt:
+            raise ValueError("Task run is not set") from None
+        return 0
+
+    monkeypatch.setattr(signals, "INTERRUPTED", signals.threading.Event())
+    monkeypatch.setattr(cli, "INTERRUPTED", signals.INTERRUPTED)
+    monkeypatch.setattr(cli, "cmd_config", handler)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert cli.main(["config"]) == 130
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_after_a_stop_signal_logged_errors_lose_their_traceback(monkeypatch) -> None:
+    """Prefect logs the exception an interrupt became with its traceback (CI); after the signal, one line."""
+    import io
+    import logging
+    import signal
+
+    import pytest
+
+    from reflow.infra import signals
+
+    monkeypatch.setattr(signals, "INTERRUPTED", signals.threading.Event())
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    log = logging.getLogger("reflow-test.flow_runs")
+    log.addHandler(handler)
+    try:
+        def fail(tag: str) -> None:
+            try:
+                raise ValueError("Task run is not set")
+            except ValueError:
+                log.error("%s: encountered exception during execution", tag, exc_info=True)
+
+        fail("before")
+        assert "Traceback" in out.getvalue()
+        with pytest.raises(KeyboardInterrupt):
+            signals.raise_interrupt(signal.SIGTERM, None)
+        out.truncate(0)
+        out.seek(0)
+        fail("after")
+        assert out.getvalue() == "after: encountered exception during execution\n"
+    finally:
+        log.removeHandler(handler)
+
+
+def test_an_error_without_an_interrupt_is_not_reported_as_one(monkeypatch) -> None:
+    import signal
+
+    import pytest
+
+    from reflow.cli import main as cli
+    from reflow.infra import signals
+
+    def handler(args: object) -> int:
+        raise ValueError("a real bug")
+
+    monkeypatch.setattr(signals, "INTERRUPTED", signals.threading.Event())
+    monkeypatch.setattr(cli, "INTERRUPTED", signals.INTERRUPTED)
+    monkeypatch.setattr(cli, "cmd_config", handler)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(ValueError, match="a real bug"):
+            cli.main(["config"])
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def test_run_as_a_script_the_handler_ray_reinstalls_sets_the_flag_main_reads(tmp_path: Path) -> None:
+    """``python -m reflow.cli.main`` is ``__main__``; ``start_ray`` imports the package module again.
+
+    Both must share one flag, or a Ctrl-C after Ray started exits 1 (seen in CI).
+    """
+    script = (
+        "import importlib.util, signal, sys\n"
+        "spec = importlib.util.find_spec('reflow.cli.main')\n"
+        "script = importlib.util.module_from_spec(spec)  # a second module object, as __main__ is\n"
+        "spec.loader.exec_module(script)\n"
+        "import reflow.cli.main as package\n"
+        "assert script is not package\n"
+        "def handler(args):\n"
+        "    package.interrupt_on_signals()  # as start_ray re-installs them, through the package module\n"
+        "    try:\n"
+        "        signal.raise_signal(signal.SIGINT)\n"
+        "    except KeyboardInterrupt:\n"
+        "        raise ValueError('Task run is not set') from None\n"
+        "script.cmd_config = handler\n"
+        "sys.exit(script.main(['config']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted" in proc.stderr

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reflow.config.load import ConfigError, config_to_json, flat_params, load_config
+from reflow.config.schema import ReflowConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_and_shipped_configs_validate() -> None:
+    assert load_config().mode.kind == "sync"
+    for path in sorted((REPO / "configs").glob("*.toml")):
+        load_config(path)
+
+
+def test_overrides_parse_toml_literals_and_bare_strings() -> None:
+    cfg = load_config(None, ["rollout.prompts_per_step=7", "train.learning_rate=3e-4", "rollout.enforce_eager=true",
+                             "run.out_dir=some/dir", 'run.name="x1"'])
+    assert (cfg.rollout.prompts_per_step, cfg.train.learning_rate, cfg.rollout.enforce_eager) == (7, 3e-4, True)
+    assert (cfg.run.out_dir, cfg.run.name) == ("some/dir", "x1")
+
+
+def test_config_is_frozen_and_round_trips_json() -> None:
+    cfg = load_config()
+    with pytest.raises(Exception):
+        cfg.run.seed = 3  # type: ignore[misc]
+    assert ReflowConfig.model_validate_json(config_to_json(cfg)) == cfg
+    assert flat_params(cfg)["rollout.samples_per_prompt"] == str(cfg.rollout.samples_per_prompt)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("rollout.prompts_per_step=-1", "rollout.prompts_per_step"),
+    ("rollout.engine=sglang", "rollout.engine"),
+    ("env.min_terms=30", "env.min_terms must be <= env.max_terms"),
+    ("model.tiny.num_heads=3", "hidden_size must be a multiple"),
+    ("rollout.max_response_tokens=100000", "max_position_embeddings"),
+    ("run=3", "run"),
+    ("nosuch=1", "unknown field"),
+    ("rollout.prompts_per_step", "expected key.path=value"),
+    ("env.kind=tool_calc", "needs tool calls: set tools.max_calls >= 1"),
+    ("tools.max_output_chars=2", "tools.max_output_chars"),
+])
+def test_invalid_values_name_the_field(override: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert needle in str(err.value)
+
+
+def test_every_field_is_documented() -> None:
+    def walk(model: type) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, ReflowConfig.__mro__[1]):
+                walk(ann)
+            else:
+                assert field.description, f"{model.__name__}.{name} has no description"
+
+    walk(ReflowConfig)
+    json.loads(config_to_json(load_config()))
+
+
+def test_dataset_workload_fields_are_checked() -> None:
+    cfg = load_config(REPO / "configs/math.toml")
+    assert cfg.env.kind == "math" and cfg.env.data_path is None
+    with pytest.raises(ConfigError, match="set model.path"):
+        load_config(None, ["env.kind=math", "env.data_path=data/dapo.parquet"])
+    with pytest.raises(ConfigError, match="apply to env.kind 'math' or 'code'"):
+        load_config(None, ["env.data_path=d.parquet", "model.path=/m"])
+    with pytest.raises(ConfigError, match="env.eval_data_path needs env.data_path"):
+        load_config(None, ["env.kind=code", "env.eval_data_path=e.jsonl"])
+    with pytest.raises(ConfigError, match="cannot tell the format"):
+        load_config(None, ["env.kind=code", "env.data_path=d.csv", "model.path=/m"])
+    assert load_config(None, ["env.kind=code", "env.data_path=d.csv", "env.data_format=jsonl",
+                              "model.path=/m"]).env.data_format == "jsonl"
+    with pytest.raises(ConfigError, match="env.eval_holdout_share"):
+        load_config(None, ["env.kind=math", "env.eval_holdout_share=0.9"])
+
+
+def test_prompt_bound_of_the_tiny_model_is_per_workload() -> None:
+    load_config(None, ["env.kind=math", "env.max_prompt_tokens=300"])  # 300 + 192 <= 512
+    with pytest.raises(ConfigError, match=r"env.max_prompt_tokens \(400 tokens\) exceeds"):
+        load_config(None, ["env.kind=math", "env.max_prompt_tokens=400"])
+    with pytest.raises(ConfigError, match="longest arith prompt"):
+        load_config(None, ["env.max_terms=64"])
+
+
+def test_tools_cross_checks() -> None:
+    base = ["env.kind=tool_calc", "tools.max_calls=1", "env.max_operand=9999"]
+    assert load_config(None, base).tools.max_calls == 1
+    with pytest.raises(ConfigError, match="env.max_operand >= 100"):
+        load_config(None, ["env.kind=tool_calc", "tools.max_calls=1"])
+    with pytest.raises(ConfigError, match="rollout.scheduling='plain'"):
+        load_config(None, [*base, "rollout.scheduling=sorted_on_policy"])
+
+
+def test_elastic_engines_need_plain_rounds() -> None:
+    assert load_config(None, ["resources.elastic_engines=1"]).resources.elastic_engines == 1
+    assert load_config(None, ["resources.elastic_engines=1", "mode.kind=reflow",
+                              "rollout.scheduling=sorted_partial"]).resources.elastic_engines == 1
+    with pytest.raises(ConfigError, match="resources.elastic_engines > 0 needs rollout.scheduling='plain'"):
+        load_config(None, ["resources.elastic_engines=1", "rollout.scheduling=sorted_partial"])
+    with pytest.raises(ConfigError, match="resources.elastic_engines"):
+        load_config(None, ["resources.elastic_engines=-1"])
+
+
+def test_new_groups_budget_bounds_the_steps_of_modes_with_full_batches_of_new_groups() -> None:
+    base = ["run.total_steps=50", "rollout.prompts_per_step=32", "run.max_new_groups=960"]
+    assert load_config(None, base).planned_steps() == 30  # sync: 32 new groups a step
+    assert load_config(None, [*base, 'mode.kind="async"']).planned_steps() == 30
+    assert load_config(None, [*base, "run.max_new_groups=1000"]).planned_steps() == 32  # rounded up
+    assert load_config(None, [*base, "run.max_new_groups=0"]).planned_steps() == 50  # no budget
+    reflow = load_config(None, [*base, 'mode.kind="reflow"', "buffer.replay_ratio=0.5"])
+    assert reflow.planned_steps() == 50 and reflow.fresh_groups_per_step() == 16  # its end is found as it runs
+    assert load_config(None, [*base, 'mode.kind="reflow"', "buffer.replay_ratio=0.9"]).fresh_groups_per_step() == 4
+    with pytest.raises(ConfigError, match="run.max_new_groups"):
+        load_config(None, ["run.max_new_groups=-1"])
