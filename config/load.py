@@ -53,7 +53,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for item in err.errors():
         path = ".".join(str(p) for p in item["loc"]) or "<root>"
-        msg = item["msg"]
+        msg = item["msg"].removeprefix("Value error, ")  # our validators' messages, without pydantic's label
         if item["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; see configs/default.toml for the fields)"
         given = item.get("input")

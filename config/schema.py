@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -104,6 +104,11 @@ class EnvConfig(_Section):
     code_test_seconds: float = Field(5.0, gt=0, le=120, description="code: wall-clock limit of one test run "
                                      "(CPU limit: the same, at most 10 s).")
     code_memory_mb: int = Field(256, ge=32, le=65_536, description="code: address-space limit of a test run.")
+    code_stop_after: Literal["timeout", "failure", "never"] = Field(
+        "timeout", description="code: skip a program's remaining tests (counted as failed) after its first test "
+        "that times out ('timeout': a program that loops forever costs one time limit, not one per test, and "
+        "scores 0 either way), after its first failed test ('failure': cheapest; changes the pass-rate reward "
+        "of a program that would pass later tests), or never.")
     code_max_tests: int = Field(16, ge=1, le=10_000, description="code: at most this many tests per problem "
                                 "(the first ones) are run.")
     code_score_tasks: int = Field(4, ge=1, le=1024, description="code: parallel scoring tasks per batch (Ray "
@@ -142,7 +147,8 @@ def dataset_format(path: str, declared: str = "auto") -> Literal["parquet", "jso
 class RolloutConfig(_Section):
     engine: Literal["vllm", "transformers"] = Field("vllm", description="Generation backend.")
     prompts_per_step: int = Field(32, ge=1, le=65_536, description="Distinct prompts per update.")
-    samples_per_prompt: int = Field(8, ge=1, le=1024, description="Responses per prompt (the GRPO group).")
+    samples_per_prompt: int = Field(8, ge=1, le=1024, description="Responses per prompt (the GRPO group); at "
+                                    "least 2.")
     max_response_tokens: int = Field(192, ge=1, le=131_072, description="Longest response in tokens.")
     temperature: float = Field(1.0, gt=0, le=5.0, description="Sampling temperature (1.0 keeps the "
                                                               "behaviour log-probs exact).")
@@ -184,6 +190,14 @@ class RolloutConfig(_Section):
         "a cache of 32 per layer: the token count of a step changes with every batch, so a streaming round "
         "builds kernels over and over (docs/operations.md \"Memory on this machine\"). No effect on the GPU.")
 
+    @field_validator("samples_per_prompt")
+    @classmethod
+    def _groups_of_two(cls, n: int) -> int:
+        if n < 2:
+            raise ValueError("must be at least 2: a GRPO group of one sample has advantage 0 (its reward "
+                             "minus its group's mean), so it would train on nothing")
+        return n
+
 
 class TrainConfig(_Section):
     learning_rate: float = Field(3e-4, gt=0, le=1.0, description="AdamW learning rate (constant); above ~1e-3 "
@@ -199,6 +213,13 @@ class TrainConfig(_Section):
     loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation over "
                                                                                   "tokens of a batch.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Trainer device.")
+    advantage_std: Literal["population", "unbiased"] = Field(
+        "population", description="grpo: the group's std that advantages are divided by: 'population' "
+        "(sqrt(sum (r - mean)^2 / n)) or 'unbiased' (sqrt(sum (r - mean)^2 / (n - 1)), verl's); unbiased "
+        "advantages are sqrt((n - 1) / n) times the population ones.")
+    clip_ratio_c: float | None = Field(None, gt=1.0, le=100.0, description="Dual clip (verl's clip_ratio_c; "
+                                       "verl's default 3): for a negative advantage A the per-token loss is at "
+                                       "most -clip_ratio_c * A. Unset: off.")
     advantage_estimator: Literal["grpo", "dr_grpo"] = Field(
         "grpo", description="How rewards become advantages within a GRPO group (``policies.losses``): 'grpo' "
         "centres by the group mean and divides by its (population) std; 'dr_grpo' only centres (Dr. GRPO).")

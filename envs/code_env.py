@@ -22,7 +22,8 @@ last fence counts to the end), else the whole response.
 Reward: the share of tests passed (the first ``env.code_max_tests``), no
 bonus for passing them all; ``correct`` means every test passed. Tests run in
 ``envs/sandbox.py`` (``run_tests``; limits ``env.code_test_seconds`` and
-``env.code_memory_mb``). ``score_many`` splits a batch into
+``env.code_memory_mb``; after a test that times out the rest are skipped,
+``env.code_stop_after``). ``score_many`` splits a batch into
 ``env.code_score_tasks`` chunks run as Ray tasks (``env.code_score_cpus``
 each) when Ray is up, else as threads, so a round's programs run in parallel
 while the engine keeps generating.
@@ -50,7 +51,7 @@ from typing import Any, Sequence
 
 from reflow.envs.base import Prompt, Score
 from reflow.envs.datasets import DatasetError, Row, RowEnv, require_columns
-from reflow.envs.sandbox import SandboxLimits, run_tests
+from reflow.envs.sandbox import SandboxLimits, StopAfter, run_tests
 
 INSTRUCTION = "Answer with Python code in a ```python block."
 _FENCED = re.compile(r"```[A-Za-z0-9_+-]*[^\n]*\n(.*?)```", re.DOTALL)
@@ -71,14 +72,14 @@ def extract_program(response_text: str) -> str:
     return last if last is not None else response_text
 
 
-def run_jobs(jobs: Sequence[Job], limits: SandboxLimits) -> list[tuple[int, int]]:
+def run_jobs(jobs: Sequence[Job], limits: SandboxLimits, stop_after: StopAfter = "timeout") -> list[tuple[int, int]]:
     """``(passed, total)`` for each job, run one after another (the body of a scoring task)."""
     out = []
     for program, tests, fn_name in jobs:
         if not program.strip():
             out.append((0, len(tests)))
             continue
-        report = run_tests(program, tests, limits, fn_name=fn_name)
+        report = run_tests(program, tests, limits, fn_name=fn_name, stop_after=stop_after)
         out.append((report.passed, report.total))
     return out
 
@@ -118,16 +119,16 @@ class CodeEnv(RowEnv):
         return SandboxLimits(cpu_seconds=min(seconds, 10.0), wall_seconds=seconds, memory_mb=self.cfg.code_memory_mb)
 
     def _run_chunks(self, chunks: list[list[Job]]) -> list[list[tuple[int, int]]]:
-        limits = self._limits()
+        limits, stop = self._limits(), self.cfg.code_stop_after
         ray = sys.modules.get("ray")  # a process that never imported Ray has no cluster to use
         if ray is not None and ray.is_initialized():
             cpus = self.cfg.code_score_cpus
             if ray.available_resources().get("CPU", 0.0) < cpus * len(chunks):
                 cpus = 0.0  # the actors hold the CPUs: reserving would queue scoring behind them forever
             task = ray.remote(num_cpus=cpus, max_retries=1)(run_jobs)
-            return ray.get([task.remote(chunk, limits) for chunk in chunks])
+            return ray.get([task.remote(chunk, limits, stop) for chunk in chunks])
         with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
-            return list(pool.map(lambda chunk: run_jobs(chunk, limits), chunks))
+            return list(pool.map(lambda chunk: run_jobs(chunk, limits, stop), chunks))
 
     @staticmethod
     def corrupt_reference(reference: str, rng: random.Random) -> str:

@@ -164,13 +164,19 @@ class RunResult:
 
 @dataclass(frozen=True)
 class TestReport:
-    """Per-test results of ``run_tests``; ``results[i]`` belongs to ``tests[i]``."""
+    """Per-test results of ``run_tests``; ``results[i]`` belongs to ``tests[i]``, and tests after the last
+    result were skipped (``skipped``)."""
 
     __test__ = False  # not a pytest test class
 
     passed: int
     total: int
     results: tuple[RunResult, ...]
+
+    @property
+    def skipped(self) -> int:
+        """Tests not run because an earlier one stopped the program's run (``run_tests``'s ``stop_after``)."""
+        return self.total - len(self.results)
 
     @property
     def pass_rate(self) -> float:
@@ -183,9 +189,19 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
     return _run({PROGRAM_FILE: source}, [PROGRAM_FILE], stdin, limits)
 
 
+StopAfter = Literal["timeout", "failure", "never"]
+
+
 def run_tests(source: str, tests: list[tuple[str, str]], limits: SandboxLimits = SandboxLimits(),
-              fn_name: str | None = None) -> TestReport:
+              fn_name: str | None = None, stop_after: StopAfter = "timeout") -> TestReport:
     """Run ``source`` once per test, APPS semantics; a test passes only if the run exits 0.
+
+    ``stop_after``: the remaining tests are skipped (and count as failed)
+    after the first test that times out (``"timeout"``: a program that loops
+    forever then costs one time limit, not one per test, and its pass rate,
+    0, is unchanged), after the first test that fails for any reason
+    (``"failure"``: cheapest, but a program that fails one test and would
+    pass later ones scores lower), or never.
 
     Standard-input mode (``fn_name`` None): a test is ``(stdin, expected stdout)``
     and passes when the output equals the expected one up to whitespace
@@ -194,8 +210,11 @@ def run_tests(source: str, tests: list[tuple[str, str]], limits: SandboxLimits =
     arguments, JSON of the expected return value)`` and passes when the return
     value equals it (``call_result_matches``).
     """
-    results, passed = [], 0
+    results, passed, last_ok = [], 0, True
     for stdin, expected in tests:
+        if results and stop_after != "never" and (
+                results[-1].status == "timeout" or (stop_after == "failure" and not last_ok)):
+            break
         if fn_name is None:
             result = run_program(source, stdin, limits)
             ok = outputs_match(result.stdout, expected)
@@ -203,7 +222,8 @@ def run_tests(source: str, tests: list[tuple[str, str]], limits: SandboxLimits =
             files = {PROGRAM_FILE: source, _CALL_FILE: _CALL_DRIVER}
             result = _run(files, [_CALL_FILE, fn_name], stdin, limits)
             ok = call_result_matches(result.stdout, expected)
-        passed += int(ok and result.status == "ok" and not result.output_truncated)
+        last_ok = ok and result.status == "ok" and not result.output_truncated
+        passed += int(last_ok)
         results.append(result)
     return TestReport(passed=passed, total=len(tests), results=tuple(results))
 

@@ -21,12 +21,17 @@ import torch
 
 
 def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6,
-                     scale_by_std: bool = True) -> torch.Tensor:
+                     scale_by_std: bool = True, unbiased_std: bool = False) -> torch.Tensor:
     """Group-normalised advantages.
 
     ``A_i = (r_i - mean_{g(i)}) / (std_{g(i)} + eps)`` where the mean and the
-    (population, ddof=0) standard deviation run over the samples of ``i``'s
-    group. A group whose rewards are all equal gets zero advantages.
+    standard deviation run over the samples of ``i``'s group: the population
+    one, ``sqrt(sum (r - mean)^2 / n)``, or with ``unbiased_std`` the sample
+    one, ``sqrt(sum (r - mean)^2 / (n - 1))`` (what verl's GRPO uses, through
+    ``torch.std``). The two differ by the factor ``sqrt((n - 1) / n)`` in the
+    std, so unbiased advantages are ``sqrt((n - 1) / n)`` times the population
+    ones (0.935 for groups of 8). A group whose rewards are all equal gets zero
+    advantages; ``scale_by_std=False`` only centres.
 
     Args:
         rewards: (B,) float rewards.
@@ -49,7 +54,8 @@ def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: floa
     if not scale_by_std:
         return centred
     sq = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, centred**2)
-    std = torch.sqrt(sq / count)
+    dof = (count - 1).clamp(min=1) if unbiased_std else count  # a group of one is flat: its advantage is 0
+    std = torch.sqrt(sq / dof)
     return centred / (std[group_index] + eps)
 
 
@@ -79,26 +85,39 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def clipped_surrogate(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
-                      eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps_low: float, eps_high: float, clip_ratio_c: float | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level PPO clipped surrogate loss (to minimise).
 
     ``rho_t = exp(logp_t - behaviour_logp_t)``;
     ``loss_t = -min(rho_t * A, clip(rho_t, 1 - eps_low, 1 + eps_high) * A)``.
+
+    Dual clip (``clip_ratio_c = c > 1``; Ye et al. 2020, "Mastering Complex
+    Control in MOBA Games with Deep Reinforcement Learning", arXiv
+    1912.09729): for a negative advantage the objective is also bounded
+    below by ``c * A``, so ``loss_t = min(loss_t, -c * A)`` where ``A < 0``.
+    Without it a token whose ratio has grown far above 1 under a negative
+    advantage contributes ``-rho * A``, unbounded. ``None``: no dual clip.
 
     Args:
         logp: (B, T) current policy log-probs (carries the gradient).
         behaviour_logp: (B, T) log-probs of the policy that sampled the tokens.
         advantages: (B,) per-sample advantages, broadcast over tokens.
     Returns:
-        ((B, T) per-token loss, (B, T) float 1.0 where the clip was active).
+        ((B, T) per-token loss, (B, T) float 1.0 where a clip (or the dual clip) was active).
     """
     ratio = torch.exp(logp - behaviour_logp)
     adv = advantages.unsqueeze(-1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     loss = -torch.minimum(unclipped, clipped)
-    clip_active = (clipped < unclipped).float()
-    return loss, clip_active
+    clip_active = clipped < unclipped
+    if clip_ratio_c is not None:
+        bound = -clip_ratio_c * adv  # > 0 where A < 0
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(dual, bound.expand_as(loss), loss)
+        clip_active = clip_active | dual
+    return loss, clip_active.float()
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,8 @@ from reflow.policies import grpo, offpolicy
 
 # (logp, behaviour_logp, advantages, cfg) -> ((B, T) per-token loss, (B, T) float 1.0 where clipped or capped)
 PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, TrainConfig], tuple[torch.Tensor, torch.Tensor]]
-# (rewards (B,), dense group index (B,)) -> advantages (B,)
-AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (rewards (B,), dense group index (B,), cfg) -> advantages (B,)
+AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor, TrainConfig], torch.Tensor]
 
 _POLICY_LOSSES: dict[str, PolicyLoss] = {}
 _ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
@@ -78,8 +78,10 @@ def ppo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch
              cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The clipped surrogate against the behaviour log-probs (``grpo.clipped_surrogate``; verl's default
     without rollout correction): ``-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)``,
-    ``rho = exp(logp - behaviour)``."""
-    return grpo.clipped_surrogate(logp, behaviour_logp, advantages, cfg.clip_eps_low, cfg.clip_eps_high)
+    ``rho = exp(logp - behaviour)``, and with ``train.clip_ratio_c`` the dual clip ``min(loss, -c A)`` for
+    ``A < 0``."""
+    return grpo.clipped_surrogate(logp, behaviour_logp, advantages, cfg.clip_eps_low, cfg.clip_eps_high,
+                                  cfg.clip_ratio_c)
 
 
 @register_policy_loss("decoupled")
@@ -89,26 +91,27 @@ def decoupled_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages:
 
     One optimiser step is taken per batch, so the proximal policy is the
     weights before the step, i.e. ``logp`` detached: the ratio ``r = 1`` (with
-    its gradient) and the clip does not engage; the capped behaviour weight
+    its gradient) and neither the clip nor the dual clip engages; the capped behaviour weight
     ``w = min(exp(logp - behaviour), is_weight_cap)`` corrects stale and
     replayed tokens. The reported clip fraction is the share of tokens whose
     weight hit the cap.
     """
     per_token, _, _ = offpolicy.decoupled_ppo_loss(logp, logp.detach(), behaviour_logp, advantages,
                                                    cfg.clip_eps_low, cfg.clip_eps_high, cfg.is_weight_cap,
-                                                   cfg.is_cap_mode)
+                                                   cfg.is_cap_mode, cfg.clip_ratio_c)
     capped = (torch.exp(logp.detach() - behaviour_logp) > cfg.is_weight_cap).float()
     return per_token, capped
 
 
 @register_advantage_estimator("grpo")
-def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
-    """GRPO: ``(r - mean_group) / (std_group + eps)``, population std (``grpo.group_advantages``)."""
-    return grpo.group_advantages(rewards, group_index)
+def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+    """GRPO: ``(r - mean_group) / (std_group + eps)`` (``grpo.group_advantages``), with the population std or,
+    ``train.advantage_std = "unbiased"``, the sample std (verl's)."""
+    return grpo.group_advantages(rewards, group_index, unbiased_std=cfg.advantage_std == "unbiased")
 
 
 @register_advantage_estimator("dr_grpo")
-def dr_grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+def dr_grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783): ``r - mean_group``,
     not divided by the group's std (which up-weights groups of nearly equal rewards)."""
     return grpo.group_advantages(rewards, group_index, scale_by_std=False)

@@ -65,7 +65,7 @@ def capped_is_weights(anchor_logp: torch.Tensor, behaviour_logp: torch.Tensor, c
 
 def decoupled_ppo_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
                        advantages: torch.Tensor, eps_low: float, eps_high: float, max_is_weight: float,
-                       cap_mode: Literal["truncate", "mask"] = "truncate",
+                       cap_mode: Literal["truncate", "mask"] = "truncate", clip_ratio_c: float | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decoupled PPO loss per token (Fu et al. 2025, "AReaL", arXiv 2505.24298).
 
@@ -81,6 +81,7 @@ def decoupled_ppo_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviou
     ``cap_mode="mask"`` zeroes tokens above the cap as AReaL's code does
     (see ``capped_is_weights``); AReaL also leaves them out of the token
     count, which the caller does by dropping them from the loss mask.
+    ``clip_ratio_c`` adds the dual clip of ``grpo.clipped_surrogate`` on ``r``.
 
     Args:
         logp: (B, T) current policy log-probs (carries the gradient).
@@ -91,7 +92,8 @@ def decoupled_ppo_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviou
         ((B, T) per-token loss, (B, T) float 1.0 where the clip was active, (B, T) weights ``w``).
     """
     weight = capped_is_weights(proximal_logp, behaviour_logp, max_is_weight, cap_mode)
-    surrogate, clip_active = clipped_surrogate(logp, proximal_logp.detach(), advantages, eps_low, eps_high)
+    surrogate, clip_active = clipped_surrogate(logp, proximal_logp.detach(), advantages, eps_low, eps_high,
+                                               clip_ratio_c)
     return weight * surrogate, clip_active, weight
 
 

@@ -118,3 +118,14 @@ def test_new_groups_budget_bounds_the_steps_of_modes_with_full_batches_of_new_gr
     assert load_config(None, [*base, 'mode.kind="reflow"', "buffer.replay_ratio=0.9"]).fresh_groups_per_step() == 4
     with pytest.raises(ConfigError, match="run.max_new_groups"):
         load_config(None, ["run.max_new_groups=-1"])
+
+
+def test_a_group_of_one_sample_is_refused_with_the_reason() -> None:
+    from reflow.config.load import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.samples_per_prompt=1"])
+    message = str(err.value)
+    assert "rollout.samples_per_prompt: must be at least 2" in message and "advantage 0" in message
+    assert "Value error" not in message
+    assert load_config(None, ["rollout.samples_per_prompt=2"]).rollout.samples_per_prompt == 2

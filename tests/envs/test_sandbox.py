@@ -260,3 +260,23 @@ def test_isolation_on_this_machine(isolation: tuple[str, ...]) -> None:
 def test_invalid_limits_are_rejected() -> None:
     with pytest.raises(ValueError, match="cpu_seconds"):
         SandboxLimits(cpu_seconds=0)
+
+
+def test_a_program_that_times_out_skips_its_remaining_tests() -> None:
+    loop = "while True:\n    pass\n"
+    tests = [("", "1")] * 3
+    report = run_tests(loop, tests, FAST)  # default: stop after a timeout
+    assert [r.status for r in report.results] == ["timeout"] and report.skipped == 2
+    assert (report.passed, report.total, report.pass_rate) == (0, 3, 0.0)  # the reward it always had
+    full = run_tests(loop, tests, FAST, stop_after="never")
+    assert [r.status for r in full.results] == ["timeout"] * 3 and full.skipped == 0 and full.pass_rate == 0.0
+
+
+def test_failures_skip_the_rest_only_when_asked() -> None:
+    echo = "print(input())\n"
+    tests = [("1", "1"), ("2", "0"), ("3", "3")]  # the middle test expects another output
+    kept = run_tests(echo, tests, FAST)  # a wrong answer is no timeout: every test runs
+    assert (kept.passed, kept.skipped) == (2, 0)
+    stopped = run_tests(echo, tests, FAST, stop_after="failure")
+    assert (stopped.passed, stopped.skipped, len(stopped.results)) == (1, 1, 2)
+    assert run_tests(echo, [("1", "1"), ("2", "2")], FAST, stop_after="failure").passed == 2

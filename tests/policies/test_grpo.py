@@ -80,3 +80,32 @@ def test_aggregate_hand_computed(mode: str, expected: float) -> None:
     normaliser = 4.0 if mode == "token_mean" else 2.0
     out = grpo.aggregate(per_token, mask, weight, mode, normaliser)
     assert out.item() == pytest.approx(expected)
+
+
+def test_unbiased_std_divides_by_n_minus_1_as_verl_does() -> None:
+    rewards, groups = torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 0, 0])
+    # mean 0.5, centred +-0.5, sum of squares 1.0: population std sqrt(1/4) = 0.5, sample std sqrt(1/3) = 0.57735
+    population = grpo.group_advantages(rewards, groups)
+    unbiased = grpo.group_advantages(rewards, groups, unbiased_std=True)
+    assert population.tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0], rel=1e-5)
+    assert unbiased.tolist() == pytest.approx([0.866025, -0.866025, -0.866025, 0.866025], rel=1e-5)
+    assert (unbiased / population).tolist() == pytest.approx([(3 / 4) ** 0.5] * 4, rel=1e-5)  # sqrt((n-1)/n)
+    # a group of one sample is flat: 0, not a division by n - 1 = 0
+    assert grpo.group_advantages(torch.tensor([1.0]), torch.tensor([0]), unbiased_std=True).tolist() == [0.0]
+
+
+def test_dual_clip_bounds_the_loss_of_a_negative_advantage_only() -> None:
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.5]]))
+    behaviour = torch.log(torch.tensor([[0.1, 0.1, 0.1]]))  # ratios 5, 2, 5
+    eps = (0.2, 0.28)
+    # A = -1: loss = -min(-rho, -clip(rho)) = rho (5 and 2); dual clip at c = 3 caps 5 at 3, leaves 2
+    negative = torch.tensor([-1.0])
+    plain, _ = grpo.clipped_surrogate(logp[:, :2], behaviour[:, :2], negative, *eps)
+    dual, active = grpo.clipped_surrogate(logp[:, :2], behaviour[:, :2], negative, *eps, clip_ratio_c=3.0)
+    assert plain[0].tolist() == pytest.approx([5.0, 2.0], rel=1e-5)
+    assert dual[0].tolist() == pytest.approx([3.0, 2.0], rel=1e-5) and active[0].tolist() == [1.0, 0.0]
+    # A = +1: the PPO clip at 1 + eps_high = 1.28 already bounds it; the dual clip changes nothing
+    positive = torch.tensor([1.0])
+    with_c, _ = grpo.clipped_surrogate(logp[:, 2:], behaviour[:, 2:], positive, *eps, clip_ratio_c=3.0)
+    without, _ = grpo.clipped_surrogate(logp[:, 2:], behaviour[:, 2:], positive, *eps)
+    assert with_c.tolist() == without.tolist() and with_c[0, 0].item() == pytest.approx(-1.28)

@@ -52,8 +52,21 @@ def test_decoupled_weights_each_token_by_its_capped_behaviour_ratio() -> None:
 def test_grpo_divides_by_the_group_std_and_dr_grpo_does_not() -> None:
     rewards, groups = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), torch.tensor([0, 0, 0, 0, 1, 1])
     # group 0: mean 0.5, population std 0.5 -> +-1 (eps 1e-6); group 1: equal rewards -> 0
-    assert losses.get_advantage_estimator("grpo")(rewards, groups).tolist() == pytest.approx(
+    assert losses.get_advantage_estimator("grpo")(rewards, groups, TrainConfig()).tolist() == pytest.approx(
         [1.0, -1.0, -1.0, 1.0, 0.0, 0.0], rel=1e-5)
-    assert losses.get_advantage_estimator("dr_grpo")(rewards, groups).tolist() == pytest.approx(
+    assert losses.get_advantage_estimator("dr_grpo")(rewards, groups, TrainConfig()).tolist() == pytest.approx(
         [0.5, -0.5, -0.5, 0.5, 0.0, 0.0])
-    assert torch.equal(losses.grpo_advantages(rewards, groups), grpo.group_advantages(rewards, groups))
+    assert torch.equal(losses.grpo_advantages(rewards, groups, TrainConfig()), grpo.group_advantages(rewards, groups))
+    unbiased = losses.grpo_advantages(rewards, groups, TrainConfig(advantage_std="unbiased"))
+    assert torch.equal(unbiased, grpo.group_advantages(rewards, groups, unbiased_std=True))
+
+
+def test_the_configured_dual_clip_reaches_both_losses() -> None:
+    logp = torch.log(torch.tensor([[0.5]]))
+    behaviour = torch.log(torch.tensor([[0.1]]))  # ratio 5 against the behaviour policy
+    negative = torch.tensor([-1.0])
+    ppo, _ = losses.get_policy_loss("ppo")(logp, behaviour, negative, TrainConfig(clip_ratio_c=3.0))
+    assert ppo.item() == pytest.approx(3.0, rel=1e-5)  # -c * A, not rho = 5
+    # decoupled: r = 1 against the proximal (current) weights, so the dual clip cannot engage: loss = -w * A
+    dec, _ = losses.get_policy_loss("decoupled")(logp, behaviour, negative, TrainConfig(clip_ratio_c=3.0))
+    assert dec.item() == pytest.approx(2.0, rel=1e-5)  # w = min(5, is_weight_cap 2)
