@@ -15,7 +15,7 @@ import sys
 
 from reflow.cli.bench import cmd_bench, cmd_bench_engine, cmd_bench_report, cmd_bench_sampler
 from reflow.cli.reproduce import cmd_reproduce
-from reflow.cli.runtime import EXIT_BAD_INPUT
+from reflow.cli.runtime import EXIT_BAD_INPUT, disk_error
 from reflow.cli.serve import cmd_serve
 from reflow.cli.tables import cmd_maintain, cmd_query
 from reflow.cli.train import cmd_config, cmd_model_init, cmd_resume, cmd_run
@@ -146,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
+        disk = disk_error(exc)
+        if disk is not None and not INTERRUPTED.is_set():
+            print(f"error: {disk.strerror} writing {disk.filename or 'a file'}; free space (or make it writable) "
+                  "and continue a stopped run with `reflow resume RUN`", file=sys.stderr)
+            return EXIT_BAD_INPUT
         if not INTERRUPTED.is_set():
             raise
         print(f"interrupted (while stopping: {type(exc).__name__}: {exc})", file=sys.stderr)

@@ -6,7 +6,10 @@ config, model path, table path), 130 interrupted (Ctrl-C or SIGTERM).
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from reflow.config.load import InputError
@@ -18,6 +21,9 @@ from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.store import StorageError
 
 EXIT_BAD_INPUT = 2
+# Free space a run's directory must have at its start: the default run writes about 40 MiB (checkpoints, tables,
+# MLflow); less ends a run half-way through with a full disk.
+MIN_FREE_MIB = 64
 
 
 def quiet_environment(verbose: bool) -> None:
@@ -63,11 +69,46 @@ def preflight(cfg: ReflowConfig) -> None:
     out = Path(cfg.run.out_dir)
     if out.exists() and not out.is_dir():
         raise InputError(f"run.out_dir: {str(out)!r} exists and is not a directory")
+    check_writable(out, "run.out_dir", MIN_FREE_MIB)
+    if cfg.model.path is None:  # the tiny default is built there
+        check_writable(Path(cfg.model.cache_dir), "model.cache_dir", 0)
     if cfg.storage.root is not None:
         try:
             DeltaTrajectoryStore(cfg.storage.root).table_versions()
         except StorageError as exc:
             raise InputError(f"storage.root: {exc}") from None
+
+
+def check_writable(path: Path, field: str, min_free_mib: int) -> None:
+    """InputError naming ``field`` unless a file can be written where ``path`` is (or will be created) and its
+    file system has ``min_free_mib`` MiB free. Writes nothing that stays: a probe file is made and removed in
+    the nearest directory that exists."""
+    existing = path.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"{field}: {str(existing)!r} is a file, so {str(path)!r} cannot be a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise InputError(f"{field}: cannot write under {str(existing)!r} ({exc.strerror}); choose a writable "
+                         f"directory") from None
+    free_mib = shutil.disk_usage(existing).free / 2**20
+    if free_mib < min_free_mib:
+        raise InputError(f"{field}: the disk of {str(existing)!r} has {free_mib:.1f} MiB free; a run needs at "
+                         f"least {min_free_mib} MiB (checkpoints, Delta tables, MLflow)")
+
+
+def disk_error(exc: BaseException) -> OSError | None:
+    """The disk-full, read-only or quota error behind ``exc`` (itself, or its cause or context), if any."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def int_list(text: str, flag: str) -> list[int]:

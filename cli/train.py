@@ -14,12 +14,17 @@ from reflow.infra.run import new_run_id
 
 
 def find_run(run: str, out: str | None) -> Path:
-    """The directory of run ``run`` (a path, or a run id under ``out``); InputError if it is not a run."""
+    """The directory of run ``run`` (a path, or a run id under ``out``); InputError if it is not a run.
+
+    A run's directory holds ``config.json`` from its first moment; ``run.json``
+    follows once its workers have started, so a run killed during start-up
+    has only the config, and is resumed from it.
+    """
     candidates = [Path(run)] + ([Path(out) / run] if out and not Path(run).is_absolute() else [])
     for path in candidates:
-        if (path / "run.json").is_file() and (path / "config.json").is_file():
+        if (path / "config.json").is_file():
             return path.resolve()
-    raise InputError(f"{run!r} is not a run directory (no run.json and config.json in "
+    raise InputError(f"{run!r} is not a run directory (no config.json in "
                      f"{' or '.join(str(p) for p in candidates)})")
 
 
@@ -27,8 +32,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     run_dir = find_run(args.run, args.out)
     try:
         cfg = ReflowConfig.model_validate_json((run_dir / "config.json").read_text())
-        record = json.loads((run_dir / "run.json").read_text())
-        run_id = record["run_id"]
+        record = run_dir / "run.json"
+        # killed during start-up: no record yet, and the run id is the directory's name (``new_run_id``)
+        run_id = json.loads(record.read_text())["run_id"] if record.is_file() else run_dir.name
     except (ValueError, KeyError) as exc:
         raise InputError(f"{run_dir}: unreadable config.json or run.json: {exc}") from None
     quiet_environment(args.verbose)

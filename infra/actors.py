@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import ray
 import torch
+from safetensors.torch import load_file, safe_open, save_file
 
 from reflow.config.schema import ReflowConfig
 from reflow.infra.run import latest_checkpoint
@@ -333,8 +334,7 @@ class TrainerWorker:
         if table.num_rows != len(set(trajectory_ids)):
             raise RuntimeError(f"trainer: {len(set(trajectory_ids))} trajectories selected, "
                                f"{table.num_rows} found in {self.store_root}")
-        return table, train_samples_from_table(table, dict(zip(trajectory_ids, loss_weights)),
-                                               self.trainer.cfg.advantage_estimator)
+        return table, train_samples_from_table(table, dict(zip(trajectory_ids, loss_weights)), self.trainer.cfg)
 
     def export_weights(self) -> dict[str, Any]:
         return self.trainer.export_weights()
@@ -357,3 +357,19 @@ class TrainerWorker:
 
     def save_hf(self, path: str) -> str:
         return str(self.trainer.save_hf(path))
+
+
+def write_weights(weights: dict[str, Any], path: str, version: int) -> str:
+    """Save ``weights`` (a state dict) with their ``version`` to ``path`` atomically (a Ray task's body)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, tmp, metadata={"version": str(version)})
+    os.replace(tmp, path)
+    return path
+
+
+def read_weights(path: str) -> tuple[dict[str, Any], int]:
+    """The state dict and version ``write_weights`` saved (a Ray task's body)."""
+    with safe_open(path, framework="pt") as f:
+        version = int(f.metadata()["version"])
+    return load_file(path), version

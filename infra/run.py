@@ -121,3 +121,24 @@ def rewrite_steps(run_dir: str | Path, steps: list[StepRecord]) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(r.model_dump_json() + "\n" for r in steps))
     tmp.replace(path)
+
+
+EVAL_SNAPSHOTS = "eval_snapshots"
+
+
+def eval_snapshot_path(run_dir: str | Path, step: int) -> Path:
+    """Where the weights of a deferred evaluation at ``step`` wait for it (a safetensors file)."""
+    return Path(run_dir) / EVAL_SNAPSHOTS / f"{CHECKPOINT_PREFIX}{step:06d}.safetensors"
+
+
+def pending_eval_snapshots(run_dir: str | Path) -> dict[int, Path]:
+    """Step -> file of every deferred evaluation written and not yet evaluated (a killed attempt leaves them).
+
+    A file is renamed into place once complete, so every one listed is whole.
+    """
+    found = {}
+    for path in (Path(run_dir) / EVAL_SNAPSHOTS).glob(f"{CHECKPOINT_PREFIX}*.safetensors"):
+        stem = path.name.removeprefix(CHECKPOINT_PREFIX).removesuffix(".safetensors")
+        if stem.isdigit():
+            found[int(stem)] = path
+    return found

@@ -21,14 +21,17 @@ from reflow.config.load import flat_params
 from reflow.config.schema import ReflowConfig
 from reflow.envs.tools import run_tool_call
 from reflow.infra import provenance
+from reflow.infra.actors import read_weights, write_weights
 from reflow.infra.placement import Placement, actor, launch_workers, start_ray, stop_workers
 from reflow.infra.run import (
     RunRecord,
     append_step,
     default_tracking_uri,
+    eval_snapshot_path,
     latest_checkpoint,
     load_config_of,
     load_record,
+    pending_eval_snapshots,
     read_steps,
     rewrite_steps,
     write_config,
@@ -61,7 +64,8 @@ def prepare(config_json: str, run_dir: str, run_id: str, resume: bool = False) -
     config and record, and reopen its MLflow run instead of creating one.
     """
     cfg = ReflowConfig.model_validate_json(config_json)
-    previous = load_record(run_dir) if resume else None
+    # a run killed during start-up has no record yet: it starts again in its directory
+    previous = load_record(run_dir) if resume and (Path(run_dir) / "run.json").is_file() else None
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     store_root = cfg.storage.root or str(Path(run_dir).resolve() / "tables")
     # A killed attempt's lock is stale (its pid is dead) and is taken over; a live writer is refused.
@@ -211,19 +215,23 @@ class TrackQueue:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The trainer's weights at an eval point, kept in Ray's object store until evaluated."""
+    """The trainer's weights at an eval point, kept in Ray's object store until evaluated, and on disk
+    (``infra.run.eval_snapshot_path``) so that a run killed before evaluating them evaluates them on resume."""
 
     step: int
     version: int
     weights: object  # ray.ObjectRef
+    written: object  # ray.ObjectRef of the file write (a Ray task, off the driver and the trainer)
 
 
 def snapshot(run_dir: str, step: int, version: int, weights: object = None) -> Snapshot:
-    """Reference the trainer's current weights, or ``weights`` (a reference to them); no copy through here."""
+    """Reference the trainer's current weights, or ``weights`` (a reference to them), and start writing them to
+    disk; no copy through here."""
     if weights is None:
         ctx = context(run_dir)
         weights = actor(ctx.record.trainer, ctx.record.namespace).export_weights.remote()
-    return Snapshot(step, version, weights)
+    path = str(eval_snapshot_path(run_dir, step))
+    return Snapshot(step, version, weights, ray.remote(num_cpus=0)(write_weights).remote(weights, path, version))
 
 
 def keep_step(cfg: ReflowConfig, run_dir: str, step: int, last: int, version: int,
@@ -280,31 +288,45 @@ def abort_generation(run_dir: str) -> None:
 
 @task(name="evaluate_snapshots", cache_policy=NO_CACHE)
 def evaluate_snapshots(run_dir: str, snapshots: list[Snapshot]) -> int:
-    """Evaluate deferred snapshots; add their figures to their steps (``steps.jsonl`` and MLflow).
+    """Evaluate deferred snapshots, and those a killed attempt left on disk; add their figures to their steps.
 
+    One at a time, each durably: its figures go to ``steps.jsonl`` and MLflow, then its file is removed, so a
+    kill at any moment leaves every snapshot either evaluated and logged once, or on disk for the resume.
     Leaves the engines holding the trainer's current weights.
     """
-    if not snapshots:
-        return 0
     ctx = context(run_dir)
+    ray.get([s.written for s in snapshots])  # every snapshot of this attempt is on disk before any is evaluated
+    mine = {s.step for s in snapshots}
+    reader = ray.remote(num_cpus=0, num_returns=2)(read_weights)
+    pending = [(s.step, s.weights, s.version) for s in snapshots]
+    for step, path in sorted(pending_eval_snapshots(run_dir).items()):  # a killed attempt's
+        if step not in mine:
+            weights, version = reader.remote(str(path))
+            pending.append((step, weights, ray.get(version)))
+    if not pending:
+        return 0
     engines = [actor(name, ctx.record.namespace) for name in ctx.record.engines]
-    figures: dict[int, dict[str, float]] = {}
-    for snap in snapshots:
-        ray.get([e.update_weights.remote(snap.weights, snap.version) for e in engines])
-        ev = evaluate.fn(run_dir, snap.step)
-        figures[snap.step] = metric_values(ev)
-        print(f"eval step {snap.step + 1:>4}: held-out accuracy {ev.eval_accuracy:.3f}", flush=True)
+    logged = _LOGGED.get(run_dir, {})
+    for step, weights, version in sorted(pending, key=lambda p: p[0]):
+        steps = read_steps(run_dir)
+        done = next((r.metrics for r in steps if r.step == step and "eval_accuracy" in r.metrics), None)
+        if done is None:  # else evaluated before a kill that came before its file was removed
+            ray.get([e.update_weights.remote(weights, version) for e in engines])
+            ev = evaluate.fn(run_dir, step)
+            print(f"eval step {step + 1:>4}: held-out accuracy {ev.eval_accuracy:.3f}", flush=True)
+            done = metric_values(ev)
+            for rec in steps:
+                if rec.step == step:
+                    rec.metrics.update(done)
+            rewrite_steps(run_dir, steps)
+        fresh = {k: v for k, v in done.items() if k.startswith("eval_") and step not in logged.get(k, ())}
+        _TRACKERS[run_dir].log_metrics(fresh, step=step)
+        eval_snapshot_path(run_dir, step).unlink(missing_ok=True)
     trainer = actor(ctx.record.trainer, ctx.record.namespace)
     current = trainer.export_weights.remote()
     version = ray.get(trainer.version.remote())
     ray.get([e.update_weights.remote(current, version) for e in engines])
-    steps = read_steps(run_dir)
-    for rec in steps:
-        if rec.step in figures:
-            rec.metrics.update(figures[rec.step])
-            _TRACKERS[run_dir].log_metrics(figures[rec.step], step=rec.step)
-    rewrite_steps(run_dir, steps)
-    return len(figures)
+    return len(pending)
 
 
 @dataclass(frozen=True)

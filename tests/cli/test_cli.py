@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -222,3 +224,56 @@ def test_run_as_a_script_the_handler_ray_reinstalls_sets_the_flag_main_reads(tmp
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130, proc.stderr
     assert "interrupted" in proc.stderr
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """Mount a small tmpfs (``options`` such as ``ro`` or ``size=64k``) under ``tmp_path``; unmounted afterwards."""
+    mounted: list[Path] = []
+
+    def mount(name: str, options: str) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): the disk cases need one")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=False)
+
+
+@pytest.mark.parametrize("options, message", [
+    ("ro,size=1m", "run.out_dir: cannot write under"),
+    ("size=64k", "MiB free; a run needs at least 64 MiB"),
+], ids=["read-only", "full"])
+def test_an_unwritable_or_full_output_directory_is_one_line_and_exit_2(tmpfs, tmp_path: Path, options: str,
+                                                                       message: str) -> None:
+    disk = tmpfs("disk", options)
+    if "size=64k" in options:  # fill what little there is, as a full disk would be
+        (disk / "fill").write_bytes(b"\0" * 32 * 1024)
+    before = sorted(p.name for p in disk.iterdir())
+    proc = _reflow("run", "--out", str(disk / "runs"), "--set", "run.total_steps=1", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert sorted(p.name for p in disk.iterdir()) == before  # nothing written
+
+
+def test_a_disk_error_behind_a_failure_is_found() -> None:
+    import errno as errno_
+
+    from reflow.cli.runtime import disk_error
+
+    full = OSError(errno_.ENOSPC, "No space left on device", "/runs/x/steps.jsonl")
+    try:
+        try:
+            raise full
+        except OSError as exc:
+            raise RuntimeError("the feeder loop failed") from exc
+    except RuntimeError as wrapped:
+        assert disk_error(wrapped) is full
+    assert disk_error(ValueError("no")) is None and disk_error(OSError(errno_.ENOENT, "gone")) is None

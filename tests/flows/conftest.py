@@ -75,6 +75,15 @@ class Attempt:
                 assert time.monotonic() < deadline, f"no step {step} in time:\n{self.output()}"
                 self.cond.wait(1.0)
 
+    def wait_for_line(self, prefix: str, timeout: float = 240) -> None:
+        """Until a line starting with ``prefix`` is printed."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not any(line.startswith(prefix) for line in self.lines):
+                assert self.proc.poll() is None, f"exited before {prefix!r}:\n{self.output()}"
+                assert time.monotonic() < deadline, f"no {prefix!r} in time:\n{self.output()}"
+                self.cond.wait(1.0)
+
     def kill(self) -> None:
         """SIGKILL the driver's whole process group, then check nothing of its session survives."""
         assert self.proc.poll() is None, "the attempt finished before it could be killed:\n" + self.output()

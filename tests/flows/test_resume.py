@@ -37,16 +37,22 @@ def _checkpointed(run_dir: Path) -> int:
     return max(steps, default=-1)
 
 
+# test row -> config overrides (sorted_partial: sync mode with SortedRL partial rounds)
+MODES = {"sync": ['mode.kind="sync"'], "async": ['mode.kind="async"'], "one_step_off": ['mode.kind="one_step_off"'],
+         "reflow": ['mode.kind="reflow"'], "sorted_partial": ['mode.kind="sync"', 'rollout.scheduling="sorted_partial"']}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async", "one_step_off"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mode: str) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
+    print(f"kill schedule seed {seed} (random.Random(seed) repeats it)", flush=True)
     rng = random.Random(seed)
     out = tmp_path / "runs"
     run_args = ["--config", str(REPO / "configs/smoke.toml"), "--out", str(out),
                 "--set", f"run.total_steps={TOTAL_STEPS}", "--set", "run.checkpoint_every_steps=1",
-                "--set", 'rollout.engine="transformers"', "--set", f'model.cache_dir="{tmp_path / "models"}"',
-                "--set", f'mode.kind="{mode}"']
+                "--set", 'rollout.engine="transformers"', "--set", f'model.cache_dir="{tmp_path / "models"}"']
+    run_args += [arg for item in MODES[mode] for arg in ("--set", item)]
     kills = []
     first = reflow_process(["run", *run_args], tmp_path)
     kill_after = rng.choice([1, 2])
@@ -100,7 +106,9 @@ def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mo
         assert Counter(rows["rollout_step"].to_pylist()) == {s: per_step for s in range(TOTAL_STEPS)}, note
         assert sorted(used) == sorted(ids), note
         assert set(usage["staleness"].to_pylist()) == {0}, note
-    else:  # async, one_step_off: each trajectory trained at most once; the rest stay unused (whole groups)
+    elif mode == "reflow":  # replay: a trajectory trained at most max_reuse times, never half a group
+        assert max(Counter(used).values()) <= cfg["buffer"]["max_reuse"], note
+    else:  # async, one_step_off, sorted_partial: each trajectory trained at most once; the rest stay unused
         assert len(used) == len(set(used)), note
         groups = dict(zip(ids, rows["group_id"].to_pylist()))
         unused_groups = Counter(groups[t] for t in set(ids) - set(used))
@@ -123,3 +131,63 @@ def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mo
     assert versions == {s: float(s + 1) for s in range(TOTAL_STEPS)}, note
     assert _checkpointed(run_dir) == TOTAL_STEPS - 1
     assert (run_dir / "final_model" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_run_killed_during_start_up_resumes_from_its_config(tmp_path: Path, reflow_process) -> None:
+    """Killed before its workers started (config.json written, run.json not yet): `reflow resume` runs it."""
+    out = tmp_path / "runs"
+    run_args = ["--config", str(REPO / "configs/smoke.toml"), "--out", str(out), "--set", "run.total_steps=2",
+                "--set", 'rollout.engine="transformers"', "--set", f'model.cache_dir="{tmp_path / "models"}"']
+    first = reflow_process(["run", *run_args], tmp_path)
+    first.wait_for_line("starting Ray and workers")
+    first.kill()
+    (run_dir,) = [p for p in out.iterdir() if (p / "config.json").is_file()]
+    assert not (run_dir / "run.json").exists(), "the kill came after start-up: nothing to test"
+    second = reflow_process(["resume", str(run_dir)], tmp_path)
+    assert second.finish() == 0, second.output()
+    assert "resumed from the start (no checkpoint yet)" in second.output(None)
+    assert second.steps_seen() == [1, 2]
+    steps = [json.loads(line)["step"] for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
+    ids = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table()["trajectory_id"]
+    assert len(ids) == len(set(ids.to_pylist())) > 0
+    usage = DeltaTable(str(run_dir / "tables/usage")).to_pyarrow_dataset().to_table()
+    assert set(usage["trainer_step"].to_pylist()) == {0, 1}
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [0, 1]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_a_run_killed_during_its_final_evaluation_evaluates_every_snapshot_once(tmp_path: Path,
+                                                                                  reflow_process) -> None:
+    """Deferred evaluations are on disk before the first one runs: a kill among them loses none, doubles none."""
+    out = tmp_path / "runs"
+    total = 4
+    run_args = ["--config", str(REPO / "configs/smoke.toml"), "--out", str(out), "--set", f"run.total_steps={total}",
+                "--set", "eval.every_steps=1", "--set", 'mode.kind="async"',
+                "--set", 'rollout.engine="transformers"', "--set", f'model.cache_dir="{tmp_path / "models"}"']
+    first = reflow_process(["run", *run_args], tmp_path)
+    first.wait_for_line("eval step    1:")  # the first of four deferred evaluations is logged
+    first.kill()
+    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
+    left = sorted(p.name for p in (run_dir / "eval_snapshots").iterdir())
+    assert 0 < len(left) <= total, left  # the ones not yet evaluated (and logged) wait on disk
+    second = reflow_process(["resume", str(run_dir)], tmp_path)
+    assert second.finish() == 0, second.output()
+    assert not list((run_dir / "eval_snapshots").iterdir())
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(total))
+    assert all("eval_accuracy" in s["metrics"] for s in steps), steps
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
+    for key in ("eval_accuracy", "eval_seconds", "loss"):
+        history = sorted(m.step for m in client.get_metric_history(run_id, key))
+        assert history == list(range(total)), (key, history)
+    assert client.get_run(run_id).info.status == "FINISHED"
