@@ -68,6 +68,8 @@ class FakeEngine:
     def wait_drain(self, handle) -> Drained:
         finished = []
         for rid, versions in list(self.in_flight.items()):
+            if versions and self.rng.random() < 0.05:  # re-issued (a restarted engine): starts over, newer
+                versions.clear()
             versions.append(self.version)
             if self.rng.random() < 0.4:
                 del self.in_flight[rid]
@@ -161,11 +163,14 @@ class FakeSelector:
         self.recorded.append((step, self.engine.pending_weights[-1]))  # the weights were pushed first
 
 
-@pytest.mark.parametrize("seed,replay,stale,ahead", [(0, False, 1, False), (1, True, 1, False), (2, True, 1, False),
-                                                     (3, True, 0, False), (4, False, 0, False), (5, True, 1, True),
-                                                     (6, True, 2, True), (7, True, 3, True)])
+@pytest.mark.parametrize("seed,replay,stale,ahead,reuse", [
+    (0, False, 1, False, 1), (1, True, 1, False, 2), (2, True, 1, False, 2), (3, True, 0, False, 2),
+    (4, False, 0, False, 1), (5, True, 1, True, 2), (6, True, 2, True, 2), (7, True, 3, True, 2),
+    # windows of 4 and 5 versions: a group stays admissible for more steps than it may be used, so the reuse
+    # cap binds, and groups whose samples span versions sit half inside the window
+    (8, True, 3, False, 2), (9, True, 4, True, 2), (10, True, 4, False, 2)])
 def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed: int, replay: bool,
-                                                           stale: int, ahead: bool) -> None:
+                                                           stale: int, ahead: bool, reuse: int) -> None:
     """Feeder windows and selector attempts in random order: every batch obeys every bound, and nothing stalls.
 
     ``ahead``: the selector chooses each batch while the step before computes
@@ -173,8 +178,11 @@ def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed:
     """
     rng = random.Random(seed)
     groups, samples = 3, 4
-    policy = ReplayPolicy(max_staleness_versions=stale, replay_ratio=0.5 if replay else 0.0,
-                          max_reuse=2 if replay else 1)
+    # wide windows: replay most of a batch, by advantage (the same high-spread groups again and again), so the
+    # reuse cap binds; newest-first would replay each group once before any twice
+    wide = stale >= 3
+    policy = ReplayPolicy(max_staleness_versions=stale, replay_ratio=(0.75 if wide else 0.5) if replay else 0.0,
+                          max_reuse=reuse, replay_order="advantage" if wide else "newest")
     store = DeltaTrajectoryStore(str(tmp_path / "tables"))
     state = LoopState()
     fresh_per_step = 2 if replay else groups
@@ -229,6 +237,12 @@ def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed:
         uses.update(sel.trajectory_ids)
     if replay and stale > 0:  # at S = 0 nothing already trained on is still admissible
         assert any(trainer.batches[s].replay_share > 0 for s in range(step)), "replay never filled a batch"
+    if reuse < stale + 1 and replay:  # the cap can bind: some trajectory was trained on exactly max_reuse times
+        assert max(uses.values()) == reuse, "the reuse cap was never reached: this schedule cannot test it"
+    if stale >= 2:  # wide windows: some group's samples start at different versions (a re-issued request)
+        spans = {gid for gid in {r.group_id for r in engine.written}
+                 if len({r.policy_version for r in engine.written if r.group_id == gid}) > 1}
+        assert spans, "no group's samples span versions: the whole-group rule was not exercised"
     assert not {f"{RUN}/g{g}" for g in engine.abandoned} & {r.group_id for r in engine.written}
     assert state.groups_abandoned == len(engine.abandoned)
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from reflow.envs import math_verify
 from reflow.envs.base import Score
 from reflow.envs.math_verify import _call_with_deadline, answers_equal, extract_boxed, extract_final_answer, math_score
 
@@ -111,10 +111,11 @@ def test_math_score() -> None:
 
 @pytest.mark.parametrize("huge", ["9^{9^{9^{9}}}", "2^{2^{30}}", "(10^{9})!", "100!!",
                                   "\\binom{10^9}{5\\cdot 10^8}"])
-def test_huge_numbers_are_refused_quickly(huge: str) -> None:
-    start = time.perf_counter()
+def test_huge_numbers_are_refused_before_evaluation(huge: str, monkeypatch) -> None:
+    evaluated: list[object] = []
+    monkeypatch.setattr(math_verify, "verify", lambda *args, **kwargs: evaluated.append(args) or True)
     assert not answers_equal(huge, "5")
-    assert time.perf_counter() - start < 1.0
+    assert evaluated == []  # refused by its size, not by a deadline that a C call could outlast
     assert answers_equal(huge, huge)  # identical strings need no evaluation
 
 
@@ -131,20 +132,17 @@ def test_deadline_interrupts_python_code_in_any_thread() -> None:
         while True:
             pass
 
-    def timed() -> tuple[bool, float]:
-        start = time.perf_counter()
-        return _call_with_deadline(spin, 0.2, default=False), time.perf_counter() - start
-
-    result, seconds = timed()
-    assert result is False and seconds < 1.0
-    box: list[tuple[bool, float]] = []
-    worker = threading.Thread(target=lambda: box.append(timed()))
+    # ``spin`` never returns: getting the default back at all is the deadline interrupting it
+    assert _call_with_deadline(spin, 0.2, default=False) is False
+    box: list[bool] = []
+    worker = threading.Thread(target=lambda: box.append(_call_with_deadline(spin, 0.2, default=False)))
     worker.start()
-    worker.join(5)
-    assert box and box[0][0] is False and box[0][1] < 1.0
+    worker.join(60)
+    assert box == [False]
 
 
 def test_deadline_never_fires_after_returning() -> None:
     for _ in range(300):  # deadlines racing the return
         assert _call_with_deadline(lambda: sum(range(5000)), 0.0002, default=-1) in (sum(range(5000)), -1)
-    time.sleep(0.1)  # a stray pending exception would surface here
+    for _ in range(200_000):  # Python bytecode: a stray pending exception would be delivered in this loop
+        pass

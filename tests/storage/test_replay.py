@@ -105,7 +105,9 @@ def _random_schedule(rng: random.Random, root: Path) -> int:
         records: list[Trajectory] = []
         for g in range(rng.choice([0, 1, 1, 2, 3])):
             name = f"v{tv}/a{appends}/g{g}"
-            version = rng.randint(max(0, tv - policy.max_staleness_versions - 1), tv)
+            # from one version past the window to one version past the trainer (a feeder ahead of the
+            # trainer, as when the selector works for the version after the step under way)
+            version = rng.randint(max(0, tv - policy.max_staleness_versions - 1), tv + 1)
             group = _group(name, version, size, [float(rng.random() < 0.5) for _ in range(size)])
             shape = rng.random()
             if shape < 0.1:  # a group still being written: not admissible yet

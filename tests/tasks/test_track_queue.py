@@ -28,9 +28,13 @@ def test_steps_are_logged_in_order_off_the_calling_thread(monkeypatch) -> None:
 
 
 def test_a_failed_log_surfaces_at_the_next_submit_or_drain(monkeypatch) -> None:
+    after_failure = threading.Event()  # set by the log after the failed one: the failure is then complete
+
     def failing_track(run_dir: str, record: int) -> None:
         if record == 1:
             raise OSError("disk full")
+        if record == 2:
+            after_failure.set()
 
     monkeypatch.setattr(lifecycle, "track", failing_track)
     queue = lifecycle.TrackQueue()
@@ -39,7 +43,10 @@ def test_a_failed_log_surfaces_at_the_next_submit_or_drain(monkeypatch) -> None:
     with pytest.raises(OSError, match="disk full"):
         queue.drain()
     queue.submit("run", 1)  # type: ignore[arg-type]
-    time.sleep(0.2)
     with pytest.raises(OSError, match="disk full"):
+        # one worker, in order: once log 2 runs, log 1 has failed, and the next submit reports it (this one
+        # may already, if log 1 failed first)
         queue.submit("run", 2)  # type: ignore[arg-type]
+        assert after_failure.wait(30)
+        queue.submit("run", 3)  # type: ignore[arg-type]
     queue.close()
