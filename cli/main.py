@@ -13,12 +13,13 @@ import argparse
 import os
 import sys
 
+from reflow import __version__
 from reflow.cli.bench import cmd_bench, cmd_bench_engine, cmd_bench_report, cmd_bench_sampler
 from reflow.cli.reproduce import cmd_reproduce
 from reflow.cli.runtime import EXIT_BAD_INPUT, disk_error
 from reflow.cli.serve import cmd_serve
 from reflow.cli.tables import cmd_maintain, cmd_query
-from reflow.cli.train import cmd_config, cmd_model_init, cmd_resume, cmd_run
+from reflow.cli.train import cmd_config, cmd_evaluate, cmd_model_init, cmd_resume, cmd_run
 from reflow.config.load import ConfigError, InputError
 from reflow.infra.signals import INTERRUPTED, interrupt_on_signals
 
@@ -37,6 +38,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reflow", description="RL post-training that keeps every device busy.")
+    parser.add_argument("--version", action="version", version=f"reflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="train a policy (default: tiny model, arith workload, CPU)")
     _add_config_args(run)
@@ -48,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("run", metavar="RUN", help="the run directory, or a run id under --out")
     resume.add_argument("--out", metavar="DIR", default="runs", help="where run ids are looked up (default: runs)")
     resume.add_argument("--verbose", "-v", action="store_true", help="show Prefect/Ray/vLLM logs")
+    evaluate = sub.add_parser("evaluate", help="held-out accuracy of a finished run's final model")
+    evaluate.add_argument("run", metavar="RUN", help="the run directory, or a run id under --out")
+    evaluate.add_argument("--out", metavar="DIR", default="runs", help="where run ids are looked up (default: runs)")
+    evaluate.add_argument("--verbose", "-v", action="store_true", help="show Prefect/Ray/vLLM logs")
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
     init = model_sub.add_parser("init", help="build (or find cached) the tiny warm-started default policy")
@@ -132,16 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``reflow`` script."""
     args = build_parser().parse_args(argv)
     interrupt_on_signals()
-    handlers = {"run": cmd_run, "resume": cmd_resume, "serve": cmd_serve, "config": cmd_config,
+    handlers = {"run": cmd_run, "resume": cmd_resume, "evaluate": cmd_evaluate, "serve": cmd_serve, "config": cmd_config,
                 "bench-sampler": cmd_bench_sampler, "bench-engine": cmd_bench_engine, "bench": cmd_bench,
                 "bench-report": cmd_bench_report,
                 "query": cmd_query, "maintain": cmd_maintain, "reproduce": cmd_reproduce}
     handler = cmd_model_init if args.command == "model" else handlers[args.command]
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at interpreter exit
+        return code
     except (ConfigError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `reflow config | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

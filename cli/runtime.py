@@ -15,8 +15,10 @@ from pathlib import Path
 from reflow.config.load import InputError
 from reflow.config.schema import ReflowConfig
 from reflow.envs.base import env_class
+from reflow.envs.custom import RewardFunctionError, load_reward_function
 from reflow.envs.datasets import DatasetError, check_dataset
 from reflow.infra.prefect_api import start_ephemeral_server
+from reflow.policies.hub import ModelNotFound, local_model_dir
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.store import StorageError
 
@@ -56,11 +58,15 @@ def start_prefect_api() -> None:
 def preflight(cfg: ReflowConfig) -> None:
     """Check paths the config names, before anything is created. Raises InputError."""
     if cfg.model.path is not None:
-        path = Path(cfg.model.path)
-        if not path.is_dir():
-            raise InputError(f"model.path: {str(path)!r} does not exist or is not a directory")
-        if not (path / "config.json").is_file():
-            raise InputError(f"model.path: {str(path)!r} is not a Hugging Face model directory (no config.json)")
+        try:
+            local_model_dir(cfg.model.path)
+        except ModelNotFound as exc:
+            raise InputError(str(exc)) from None
+    if cfg.env.reward_function is not None:  # import it now: a bad path or module exits 2 before any write
+        try:
+            load_reward_function(cfg.env.reward_function)
+        except RewardFunctionError as exc:
+            raise InputError(str(exc)) from None
     if cfg.env.data_path is not None:  # read and parse the dataset now: a bad file exits 2 before any write
         try:
             check_dataset(cfg.env, env_class(cfg.env.kind))

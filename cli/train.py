@@ -103,3 +103,17 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     print(config_to_json(load_config(args.config, args.overrides)))
     return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Held-out accuracy of a finished run's final model, on fresh workers (the UI's evaluate flow)."""
+    run_dir = find_run(args.run, args.out)
+    if not (run_dir / "final_model" / "config.json").is_file() or not (run_dir / "run.json").is_file():
+        raise InputError(f"{run_dir} has no final model (final_model/config.json): the run did not finish; "
+                         "`reflow resume` it first")
+    quiet_environment(args.verbose)
+    start_prefect_api()
+    from reflow.flows.launch import evaluate_run  # Prefect (about 2 s) only when a command runs a flow
+
+    evaluate_run(run_dir=str(run_dir))
+    return 0

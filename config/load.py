@@ -52,13 +52,13 @@ def _parse_override(item: str) -> tuple[str, Any]:
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for item in err.errors():
-        path = ".".join(str(p) for p in item["loc"]) or "<root>"
+        path = ".".join(str(p) for p in item["loc"])
         msg = item["msg"].removeprefix("Value error, ")  # our validators' messages, without pydantic's label
         if item["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see configs/default.toml for the fields)"
+            msg = "unknown field (check the spelling; every field: docs/configuration.md or `reflow config`)"
         given = item.get("input")
         shown = "" if isinstance(given, dict) or item["type"] == "missing" else f" (got {given!r})"
-        lines.append(f"  {path}: {msg}{shown}")
+        lines.append(f"  {path}: {msg}{shown}" if path else f"  {msg}")  # a cross-field check names its fields
     return "\n".join(lines)
 
 

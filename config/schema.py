@@ -9,7 +9,7 @@ embedded CPU default. ``config.load`` reads files and overrides into it;
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -62,8 +62,9 @@ class TinyModelConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str | None = Field(None, description="A Hugging Face model directory. Unset: build (or reuse "
-                                               "from cache) the tiny warm-started policy.")
+    path: str | None = Field(None, description="A Hugging Face model directory, or a Hub id ('org/name', "
+                             "'org/name@revision') that the local Hugging Face cache holds (nothing is downloaded). "
+                             "Unset: build (or reuse from cache) the tiny warm-started policy.")
     cache_dir: str = Field(".cache/reflow/models", description="Where built tiny models are cached, "
                                                                "keyed by a hash of their inputs.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights dtype for training and generation.")
@@ -71,12 +72,18 @@ class ModelConfig(_Section):
 
 
 class EnvConfig(_Section):
-    kind: Literal["arith", "math", "code", "tool_calc"] = Field(
+    kind: Literal["arith", "math", "code", "tool_calc", "custom"] = Field(
         "arith", description="Workload: prompts + verifiable reward. 'arith': synthetic sums (CPU default); 'math': "
         "DAPO-Math-17K / verl-style rows, \\boxed{} answers checked by math-verify; 'code': APPS-style rows, "
         "programs run in a sandbox against the tests. math and code use a small synthetic dataset in the same "
         "format unless env.data_path is set. 'tool_calc': products of 3-4 digit numbers (operands "
-        "100..max_operand) solved with a code tool call; needs tools.max_calls >= 1.")
+        "100..max_operand) solved with a code tool call; needs tools.max_calls >= 1. 'custom': the rows of "
+        "env.data_path scored by env.reward_function (docs/workloads.md).")
+    reward_function: str | None = Field(None, max_length=4096, description="custom: the reward, as "
+                                        "'path/to/file.py:function' or 'package.module:function'; called as "
+                                        "function(prompt, response, answer) -> reward, bool or (reward, correct).")
+    reward_batched: bool = Field(False, description="custom: call env.reward_function once per batch with lists "
+                                 "of prompts, responses and answers (it returns a list).")
     min_terms: int = Field(2, ge=2, le=64, description="arith: fewest numbers in a sum.")
     max_terms: int = Field(24, ge=2, le=64, description="arith: most numbers in a sum.")
     long_share: float = Field(0.4, ge=0, le=1, description="arith: share of sums longer than min_terms "
@@ -100,7 +107,8 @@ class EnvConfig(_Section):
                                       "out for eval (chosen by a hash of the row's content, seed-independent) "
                                       "when eval_data_path is unset.")
     max_prompt_tokens: int = Field(1024, ge=16, le=131_072, description="math, code: rows whose rendered prompt "
-                                   "is longer (in the model's tokens) are dropped.")
+                                   "is longer (in the model's tokens) are dropped (256 when the tiny default "
+                                   "policy trains math or code and this is unset).")
     code_test_seconds: float = Field(5.0, gt=0, le=120, description="code: wall-clock limit of one test run "
                                      "(CPU limit: the same, at most 10 s).")
     code_memory_mb: int = Field(256, ge=32, le=65_536, description="code: address-space limit of a test run.")
@@ -120,6 +128,11 @@ class EnvConfig(_Section):
     def _terms_ordered(self) -> "EnvConfig":
         if self.min_terms > self.max_terms:
             raise ValueError("env.min_terms must be <= env.max_terms")
+        if self.kind == "custom" and (self.reward_function is None or self.data_path is None):
+            raise ValueError("env.kind = 'custom' needs env.reward_function ('file.py:function') and env.data_path "
+                             "(the prompts)")
+        if self.kind != "custom" and self.reward_function is not None:
+            raise ValueError(f"env.reward_function applies to env.kind = 'custom', not {self.kind!r}")
         if self.kind == "arith" and (self.data_path or self.eval_data_path):
             raise ValueError("env.data_path / env.eval_data_path apply to env.kind 'math' or 'code', not 'arith'")
         if self.eval_data_path and not self.data_path:
@@ -343,6 +356,16 @@ class EvalConfig(_Section):
                            "streaming modes, whose engine is busy with training requests).")
 
 
+# What a workload needs that the generic defaults do not give it, for the fields a config leaves unset:
+# (section, field) -> value. Dataset prompts on the tiny policy (512 positions, 192 response tokens by default)
+# must fit beside the response; tool_calc needs tool calls and operands of three digits or more.
+WORKLOAD_DEFAULTS: dict[str, dict[tuple[str, str], Any]] = {
+    "math": {("env", "max_prompt_tokens"): 256},
+    "code": {("env", "max_prompt_tokens"): 256},
+    "tool_calc": {("env", "max_operand"): 999, ("tools", "max_calls"): 2},
+}
+
+
 class ReflowConfig(_Section):
     """The whole tree. Sections mirror the system's parts."""
 
@@ -359,6 +382,24 @@ class ReflowConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _workload_defaults(cls, data: Any) -> Any:
+        """Give the fields a workload needs, and the config leaves unset, that workload's defaults
+        (``WORKLOAD_DEFAULTS``), so ``--set env.kind=math`` alone is a valid run."""
+        if not isinstance(data, dict) or not isinstance(data.get("env"), dict):
+            return data
+        tiny = (data.get("model") or {}).get("path") is None
+        out = {**data}
+        for (section, key), value in WORKLOAD_DEFAULTS.get(data["env"].get("kind"), {}).items():
+            if key == "max_prompt_tokens" and not tiny:
+                continue  # a real model's prompts: the generic default
+            given = out.get(section)
+            if isinstance(given, dict) and key in given:
+                continue
+            out[section] = {**(given or {}), key: value}
+        return out
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ReflowConfig":

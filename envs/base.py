@@ -3,7 +3,7 @@
 An ``Env`` is a pure, seeded function of indices: ``prompts(split, start, count)``
 returns the same prompts for the same seed and indices in any process, so a
 resumed run continues the stream at ``start`` and an evaluation set is fixed.
-``make_env`` picks the implementation named by ``EnvConfig.kind``.
+``make_env`` picks the implementation named by ``EnvConfig.kind`` (``WORKLOADS``).
 
 Scoring comes in batches too: ``score_many(prompts, texts)`` scores a round's
 responses at once, so a workload whose reward is expensive (``code`` runs
@@ -14,6 +14,7 @@ response after another. ``BatchScoring`` gives every env the plain loop.
 from __future__ import annotations
 
 import hashlib
+import importlib
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, Sequence
 
@@ -91,25 +92,23 @@ def check_range(split: str, start: int, count: int) -> None:
         raise ValueError(f"start and count must be >= 0, got start={start}, count={count}")
 
 
+# The workloads by ``env.kind``: module and class, imported when a run asks for one (their modules import this
+# one). ``custom`` is the plug-in: the user's prompts and reward function (``envs.custom``).
+WORKLOADS: dict[str, str] = {
+    "arith": "reflow.envs.arith:ArithEnv",
+    "math": "reflow.envs.math_env:MathEnv",
+    "code": "reflow.envs.code_env:CodeEnv",
+    "tool_calc": "reflow.envs.tool_calc:ToolCalcEnv",
+    "custom": "reflow.envs.custom:CustomEnv",
+}
+
+
 def env_class(kind: str) -> type:
     """The class of the workload named ``kind`` (imported on demand)."""
-    if kind == "arith":
-        from reflow.envs.arith import ArithEnv
-
-        return ArithEnv
-    if kind == "math":
-        from reflow.envs.math_env import MathEnv
-
-        return MathEnv
-    if kind == "code":
-        from reflow.envs.code_env import CodeEnv
-
-        return CodeEnv
-    if kind == "tool_calc":
-        from reflow.envs.tool_calc import ToolCalcEnv
-
-        return ToolCalcEnv
-    raise ValueError(f"env.kind: unknown workload {kind!r}")
+    if kind not in WORKLOADS:
+        raise ValueError(f"env.kind: unknown workload {kind!r}; one of {', '.join(WORKLOADS)}")
+    module, _, name = WORKLOADS[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def make_env(cfg: EnvConfig, seed: int, tokenizer: Any = None) -> Env:

@@ -119,6 +119,25 @@ def load_file(path: str, declared_format: str, parser: RowParser) -> tuple[Row, 
     return _parsed_file(str(Path(path).resolve()), fmt, parser)
 
 
+def parse_messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """Chat messages from a ``prompt`` cell: a list of ``{role, content}`` (or its JSON, or a plain string)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return (("user", value),)
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"{where}: column 'prompt' must be a non-empty list of {{role, content}} messages")
+    out = []
+    for message in value:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DatasetError(f"{where}: column 'prompt' has a message without string 'role' and 'content': "
+                               f"{str(message)[:80]!r}")
+        out.append((message["role"], message["content"]))
+    return tuple(out)
+
+
 def render_messages(messages: Sequence[tuple[str, str]], tokenizer: Any = None) -> str:
     """The prompt text: the tokenizer's chat template with a generation prompt, else contents joined plainly."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):

@@ -31,7 +31,7 @@ from fractions import Fraction
 from typing import Any
 
 from reflow.envs.base import Prompt, Score
-from reflow.envs.datasets import DatasetError, Row, RowEnv, require_columns
+from reflow.envs.datasets import DatasetError, Row, RowEnv, parse_messages, require_columns
 from reflow.envs.math_verify import answers_equal, extract_final_answer
 
 NAMES = ("Ann", "Ben", "Cara", "Dev", "Eli", "Fay")
@@ -97,25 +97,6 @@ class MathEnv(RowEnv):
     def synthetic_row(self, rng: random.Random) -> dict[str, Any]:
         """One synthetic problem as a verl/DAPO row (see the module docstring)."""
         return synthetic_math_row(rng, self.cfg.max_operand)
-
-
-def parse_messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
-    """Chat messages from a ``prompt`` cell: a list of ``{role, content}`` (or its JSON, or a plain string)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            return (("user", value),)
-    if not isinstance(value, list) or not value:
-        raise DatasetError(f"{where}: column 'prompt' must be a non-empty list of {{role, content}} messages")
-    out = []
-    for message in value:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise DatasetError(f"{where}: column 'prompt' has a message without string 'role' and 'content': "
-                               f"{str(message)[:80]!r}")
-        out.append((message["role"], message["content"]))
-    return tuple(out)
 
 
 def synthetic_math_row(rng: random.Random, max_operand: int) -> dict[str, Any]:

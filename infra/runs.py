@@ -29,14 +29,18 @@ class TableTarget:
     run_id: str | None
 
 
+CONFIG_FILE = "config.json"  # written first: a run in start-up has it, and its run.json follows
+
+
 def _is_run_dir(path: Path) -> bool:
-    return (path / RUN_FILE).is_file()
+    return (path / RUN_FILE).is_file() or (path / CONFIG_FILE).is_file()
 
 
 def _started(path: Path) -> tuple[str, float]:
-    """Sort key: the timestamp in the run's name, then run.json's modification time."""
+    """Sort key: the timestamp in the run's name, then its config's modification time."""
     match = _STAMP.search(path.name)
-    return (match.group(1) if match else "", (path / RUN_FILE).stat().st_mtime)
+    return (match.group(1) if match else "", (path / CONFIG_FILE).stat().st_mtime
+            if (path / CONFIG_FILE).is_file() else (path / RUN_FILE).stat().st_mtime)
 
 
 def latest_run(runs_dir: str | Path) -> Path:
@@ -46,7 +50,7 @@ def latest_run(runs_dir: str | Path) -> Path:
         raise RunNotFound(f"no runs directory {str(root)!r}; pass --run RUN_DIR (or --runs DIR)")
     runs = [p for p in root.iterdir() if p.is_dir() and _is_run_dir(p)]
     if not runs:
-        raise RunNotFound(f"no run directories (with {RUN_FILE}) under {str(root)!r}; pass --run RUN_DIR")
+        raise RunNotFound(f"no run directories (with {CONFIG_FILE} or {RUN_FILE}) under {str(root)!r}; pass --run RUN_DIR")
     return max(runs, key=_started)
 
 
@@ -64,12 +68,23 @@ def resolve_run_dir(run: str | None, runs_dir: str | Path = "runs") -> Path:
     if direct.is_dir() and any((direct / name / "_delta_log").is_dir() for name in ("trajectories", "usage")):
         hint = " (it holds Delta tables: pass it as --root instead)"
     elif direct.is_dir():
-        hint = f" (the directory exists but has no {RUN_FILE})"
+        hint = f" (the directory exists but has no {CONFIG_FILE} or {RUN_FILE})"
     raise RunNotFound(f"{run!r} is not a run directory{hint}, and there is no run {run!r} under {str(runs_dir)!r}")
 
 
 def read_run_json(run_dir: Path) -> dict:
-    """The run's ``run.json`` as a dict; RunNotFound if unreadable."""
+    """The run's ``run.json`` as a dict; RunNotFound if unreadable.
+
+    A run still starting has only ``config.json``: its tables' root follows from the config
+    (``storage.root``, else ``<run dir>/tables``), as the run will record it.
+    """
+    if not (run_dir / RUN_FILE).is_file():
+        try:
+            config = json.loads((run_dir / CONFIG_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            raise RunNotFound(f"{run_dir / CONFIG_FILE} cannot be read: {exc}") from None
+        root = (config.get("storage") or {}).get("root") or str(run_dir.resolve() / "tables")
+        return {"run_id": run_dir.name, "store_root": root}
     try:
         data = json.loads((run_dir / RUN_FILE).read_text())
     except (OSError, ValueError) as exc:

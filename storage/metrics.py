@@ -65,7 +65,8 @@ class TrainStep:
     micro_batches: int = field(default=0, metadata=NOT_LOGGED)
     trainer_seconds: float = field(default=0.0, metadata=NOT_LOGGED)  # computing the step (idle fractions use it)
     trainer_read_seconds: float = 0.0  # reading the batch from Delta and building the samples, before the step
-    trainer_batch_prefetched: bool = False  # the batch was read while the step before computed (reflow)
+    trainer_batch_prefetched: bool | None = False  # the batch was read while the step before computed (streaming;
+    # None in rounds, which never prefetch)
     batch: BatchStats | None = field(default=None, metadata=NOT_LOGGED)  # the rows trained on
 
 
@@ -91,13 +92,14 @@ class RolloutStats:
     rollout_seconds: float = 0.0  # engine time spent on the round
     score_seconds: float = 0.0  # scoring and writing the trajectories
     rollout_bubble_ratio: float = 0.0  # share of engine slot-time idle while the round was open
-    resumed_requests: int = 0  # sorted rounds: partial responses resumed
-    aborted_requests: int = 0  # sorted rounds: requests aborted at the round's end
-    cached_groups: int = 0  # sorted rounds: groups left in the rollout cache
     prefill_tokens: int = 0  # prompt tokens prefilled (sorted rounds: resumed prefixes included)
-    resumed_prefix_tokens: int = 0  # sorted rounds: resumed prefixes prefilled again
-    continued_requests: int = 0  # sorted rounds: resumed partials still running in the engine (parked)
-    tool_calls: int = 0  # tool outputs appended (multi-turn tool use)
+    # SortedRL rounds only (None, not logged, for plain rounds):
+    resumed_requests: int | None = None  # partial responses resumed
+    aborted_requests: int | None = None  # requests aborted at the round's end
+    cached_groups: int | None = None  # groups left in the rollout cache
+    resumed_prefix_tokens: int | None = None  # resumed prefixes prefilled again
+    continued_requests: int | None = None  # resumed partials still running in the engine (parked)
+    tool_calls: int | None = None  # tool outputs appended (multi-turn tool use only)
     elastic_tokens: int = field(default=0, metadata=NOT_LOGGED)  # of generated_tokens, by elastic engines
     trajectories_delta_version: int = -1  # the append's table version (-1: written by an earlier attempt)
 
@@ -133,7 +135,7 @@ class StepTimes:
     generated_tokens: int
     generated_tokens_per_s: float  # rounds: per engine second; streaming: per step second
     trained_tokens_per_s: float  # per trainer second
-    elastic_token_share: float  # share of the generated tokens made by elastic engines
+    elastic_token_share: float | None  # share of the generated tokens made by elastic engines (None: none run)
     staleness_mean: float  # trainer version minus generating version, over the batch
     staleness_max: int
     policy_version: int  # after the step

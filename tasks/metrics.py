@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from reflow.storage.metrics import EvalStats, RolloutStats, StepMetrics, StepRecord, StepTimes
 from reflow.tasks.context import context, step_clock, step_cpu_idle
 from reflow.tasks.update import SyncSummary, UpdateSummary
@@ -25,10 +27,12 @@ def step_metrics(run_dir: str, scored: RolloutStats, updated: UpdateSummary, syn
         generated_tokens=scored.generated_tokens,
         generated_tokens_per_s=scored.generated_tokens / max(scored.rollout_seconds, 1e-9),
         trained_tokens_per_s=train.trained_tokens / max(train.trainer_seconds, 1e-9),
-        elastic_token_share=scored.elastic_tokens / max(scored.generated_tokens, 1),
+        elastic_token_share=(scored.elastic_tokens / max(scored.generated_tokens, 1)
+                             if context(run_dir).cfg.resources.elastic_engines else None),
         staleness_mean=updated.staleness_mean, staleness_max=updated.staleness_max, policy_version=updated.version,
         samples=scored.samples, machine_cpu_idle_fraction=step_cpu_idle(run_dir),
         usage_delta_version=updated.usage_delta_version if updated.usage_delta_version is not None else -1)
+    train = dataclasses.replace(train, trainer_batch_prefetched=None)  # rounds never prefetch: not a metric here
     metrics = StepMetrics(batch=scored.batch, train=train, times=times, rollout=scored, evaluation=evaluated,
                           eval_accuracy_baseline=baseline.eval_accuracy if baseline is not None else None)
     return StepRecord(step=updated.step, policy_version=updated.version, elapsed_s=elapsed, metrics=metrics.as_dict())

@@ -141,7 +141,8 @@ def score(run_dir: str, handle: RolloutHandle) -> RolloutStats:
                                             txn_version=handle.step)
     return RolloutStats(step=handle.step, batch=batch_stats(records), samples=len(records),
                         generated_tokens=sum(r.response_length for r in records), rollout_seconds=batch.seconds,
-                        score_seconds=ctx.clock.now() - start, tool_calls=sum(tool_calls(r.loss_mask) for r in records),
+                        score_seconds=ctx.clock.now() - start,
+                        tool_calls=sum(tool_calls(r.loss_mask) for r in records) if ctx.cfg.tools.max_calls else None,
                         rollout_bubble_ratio=max(0.0, 1.0 - batch.busy_slot_seconds
                                                  / max(batch.slots * batch.seconds, 1e-9)),
                         prefill_tokens=sum(len(prompt_tokens[pid]) for pid in pids),

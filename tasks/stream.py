@@ -320,7 +320,7 @@ class RaySelector:
             trainer_idle_fraction=min(1.0, max(0.0, 1.0 - train.trainer_seconds / step_s)),
             generated_tokens=tokens_d, generated_tokens_per_s=tokens_d / step_s,
             trained_tokens_per_s=train.trained_tokens / max(train.trainer_seconds, 1e-9),
-            elastic_token_share=min(1.0, elastic_d / max(tokens_d, 1)),
+            elastic_token_share=min(1.0, elastic_d / max(tokens_d, 1)) if len(self.tokens_by_engine) > 1 else None,
             staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
             staleness_max=int(staleness.max()) if staleness.size else 0, policy_version=updated.version,
             samples=len(sel.trajectory_ids), machine_cpu_idle_fraction=step_cpu_idle(self.run_dir),

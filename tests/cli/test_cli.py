@@ -277,3 +277,22 @@ def test_a_disk_error_behind_a_failure_is_found() -> None:
     except RuntimeError as wrapped:
         assert disk_error(wrapped) is full
     assert disk_error(ValueError("no")) is None and disk_error(OSError(errno_.ENOENT, "gone")) is None
+
+
+def test_version_and_a_closed_pipe(tmp_path: Path) -> None:
+    from reflow import __version__
+
+    assert _reflow("--version", cwd=tmp_path).stdout.strip() == f"reflow {__version__}"
+    proc = subprocess.Popen([sys.executable, "-m", "reflow.cli.main", "config", "--reference"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the command writes (`reflow config | head`, head done)
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and stderr == "", stderr
+
+
+def test_evaluate_needs_a_finished_run(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    proc = _reflow("evaluate", "r1", "--out", str(tmp_path / "runs"), cwd=tmp_path)
+    assert proc.returncode == 2 and "has no final model" in proc.stderr and "Traceback" not in proc.stderr

@@ -41,12 +41,12 @@ def test_config_is_frozen_and_round_trips_json() -> None:
     ("run=3", "run"),
     ("nosuch=1", "unknown field"),
     ("rollout.prompts_per_step", "expected key.path=value"),
-    ("env.kind=tool_calc", "needs tool calls: set tools.max_calls >= 1"),
+    ("env.kind=tool_calc tools.max_calls=0", "needs tool calls: set tools.max_calls >= 1"),
     ("tools.max_output_chars=2", "tools.max_output_chars"),
 ])
 def test_invalid_values_name_the_field(override: str, needle: str) -> None:
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        load_config(None, override.split())
     assert needle in str(err.value)
 
 
@@ -91,8 +91,9 @@ def test_prompt_bound_of_the_tiny_model_is_per_workload() -> None:
 def test_tools_cross_checks() -> None:
     base = ["env.kind=tool_calc", "tools.max_calls=1", "env.max_operand=9999"]
     assert load_config(None, base).tools.max_calls == 1
-    with pytest.raises(ConfigError, match="env.max_operand >= 100"):
-        load_config(None, ["env.kind=tool_calc", "tools.max_calls=1"])
+    with pytest.raises(ConfigError, match="env.max_operand >= 100"):  # set, and too small for the workload
+        load_config(None, ["env.kind=tool_calc", "tools.max_calls=1", "env.max_operand=20"])
+    assert load_config(None, ["env.kind=tool_calc", "tools.max_calls=1"]).env.max_operand == 999  # unset
     with pytest.raises(ConfigError, match="rollout.scheduling='plain'"):
         load_config(None, [*base, "rollout.scheduling=sorted_on_policy"])
 
@@ -129,3 +130,29 @@ def test_a_group_of_one_sample_is_refused_with_the_reason() -> None:
     assert "rollout.samples_per_prompt: must be at least 2" in message and "advantage 0" in message
     assert "Value error" not in message
     assert load_config(None, ["rollout.samples_per_prompt=2"]).rollout.samples_per_prompt == 2
+
+
+@pytest.mark.parametrize("kind", ["arith", "math", "code", "tool_calc"])
+def test_every_workload_starts_with_its_own_defaults_and_nothing_else(kind: str) -> None:
+    """``--set env.kind=K`` alone is a valid run: its prompts fit the tiny policy beside a full response."""
+    from reflow.config.load import load_config
+    from reflow.envs.base import make_env
+    from reflow.policies.tokenizer import build_tokenizer
+
+    cfg = load_config(None, [f"env.kind={kind}"])
+    tokenizer = build_tokenizer()
+    env = make_env(cfg.env, cfg.run.seed, tokenizer)
+    for split in ("train", "eval"):
+        prompts = env.prompts(split, 0, 16)
+        longest = max(len(tokenizer(p.text, add_special_tokens=False)["input_ids"]) for p in prompts)
+        assert longest + cfg.rollout.max_response_tokens <= cfg.model.tiny.max_position_embeddings, (kind, longest)
+    # what the workload needed was filled in only where the config left it unset
+    assert load_config(None, [f"env.kind={kind}", "env.max_prompt_tokens=100"]).env.max_prompt_tokens == 100
+
+
+def test_cross_field_errors_have_no_root_label() -> None:
+    from reflow.config.load import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.max_response_tokens=500"])
+    assert "<root>" not in str(err.value) and "exceeds model.tiny.max_position_embeddings" in str(err.value)

@@ -139,6 +139,7 @@ def test_a_run_killed_during_start_up_resumes_from_its_config(tmp_path: Path, re
     out = tmp_path / "runs"
     run_args = ["--config", str(REPO / "configs/smoke.toml"), "--out", str(out), "--set", "run.total_steps=2",
                 "--set", 'rollout.engine="transformers"', "--set", f'model.cache_dir="{tmp_path / "models"}"']
+    run_args += [arg for item in MODES["reflow"] for arg in ("--set", item)]  # before any mode's code: one mode
     first = reflow_process(["run", *run_args], tmp_path)
     first.wait_for_line("starting Ray and workers")
     first.kill()
@@ -163,14 +164,16 @@ def test_a_run_killed_during_start_up_resumes_from_its_config(tmp_path: Path, re
 
 
 @pytest.mark.slow
-def test_a_run_killed_during_its_final_evaluation_evaluates_every_snapshot_once(tmp_path: Path,
-                                                                                  reflow_process) -> None:
+@pytest.mark.parametrize("mode", ["reflow", "sorted_partial"])
+def test_a_run_killed_during_its_final_evaluation_evaluates_every_snapshot_once(tmp_path: Path, reflow_process,
+                                                                                  mode: str) -> None:
     """Deferred evaluations are on disk before the first one runs: a kill among them loses none, doubles none."""
     out = tmp_path / "runs"
     total = 4
     run_args = ["--config", str(REPO / "configs/smoke.toml"), "--out", str(out), "--set", f"run.total_steps={total}",
-                "--set", "eval.every_steps=1", "--set", 'mode.kind="async"',
+                "--set", "eval.every_steps=1", "--set", "eval.deferred=true",
                 "--set", 'rollout.engine="transformers"', "--set", f'model.cache_dir="{tmp_path / "models"}"']
+    run_args += [arg for item in MODES[mode] for arg in ("--set", item)]
     first = reflow_process(["run", *run_args], tmp_path)
     first.wait_for_line("eval step    1:")  # the first of four deferred evaluations is logged
     first.kill()

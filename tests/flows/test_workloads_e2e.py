@@ -70,3 +70,47 @@ def test_code_workload_async_end_to_end(tmp_path: Path) -> None:
     out, run_dir = _run("code", ['mode.kind="async"', "concurrency.initial_sequences=32",
                                  "concurrency.min_sequences=16"], tmp_path)
     _check_tables_and_metrics(out, run_dir, "code")
+
+
+def _readme_reward() -> str:
+    """The reward function the README shows (the code block that starts with ``# my_reward.py``)."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("```python\n# my_reward.py\n") + len("```python\n")
+    return text[start:text.index("```", start)]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_custom_reward_from_the_readme_end_to_end(tmp_path: Path) -> None:
+    """The README's reward function and config, on arith prompts, with a model given by its Hub id.
+
+    `reflow model init` builds the model; the test lays it out in a Hugging Face cache of its own, as a
+    download would have, and the run names it ``reflow-test/tiny-arith``.
+    """
+    from reflow.config.schema import EnvConfig
+    from reflow.envs.arith import ArithEnv
+    from tests.policies.test_hub import hub_cache_entry
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(tmp_path / "prefect"),
+           "HF_HUB_CACHE": str(tmp_path / "hub")}
+    cli = [sys.executable, "-m", "reflow.cli.main"]
+    small = [s for s in SMALL if s.startswith("model.tiny.")] + [f'model.cache_dir="{tmp_path / "models"}"']
+    init = subprocess.run([*cli, "model", "init", *[a for s in small for a in ("--set", s)]], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert init.returncode == 0, init.stderr[-3000:]
+    hub_cache_entry(tmp_path / "hub", "reflow-test/tiny-arith", Path(init.stdout.strip().splitlines()[-1]))
+    (tmp_path / "my_reward.py").write_text(_readme_reward())
+    arith = ArithEnv(EnvConfig(), seed=7)
+    rows = [{"prompt": p.text, "answer": p.answer} for p in arith.prompts("train", 0, 64)]
+    (tmp_path / "my_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = [s for s in SMALL if not s.startswith("model.tiny.")] + [
+        'env.kind="custom"', 'env.data_path="my_rows.jsonl"', 'env.reward_function="my_reward.py:exact_answer"',
+        'model.path="reflow-test/tiny-arith"', "env.eval_holdout_share=0.2"]
+    out = tmp_path / "runs"
+    run = subprocess.run([*cli, "run", "--out", str(out), *[a for s in sets for a in ("--set", s)]], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
+    _check_tables_and_metrics(out, run_dir, "custom")
+    rows_written = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table()
+    assert set(rows_written["reward"].to_pylist()) <= {0.0, 1.0}
