@@ -34,20 +34,13 @@ from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from reflow.storage.schema import (
-    CACHE_SCHEMA,
     TRAJECTORY_SCHEMA,
-    USAGE_SCHEMA,
-    CachedSample,
-    Trajectory,
-    Usage,
-    to_table,
 )
 from reflow.storage.store import (
     READ_ORDER,
-    ROLLOUT_CACHE,
     TABLE_SPECS,
     TRAJECTORIES,
-    USAGE,
+    RecordAppends,
     StorageError,
     TableSpec,
     trajectory_filter,
@@ -107,7 +100,7 @@ def _plain_type(arrow_type: pa.DataType) -> pa.DataType:
     return arrow_type
 
 
-class DeltaTrajectoryStore:
+class DeltaTrajectoryStore(RecordAppends):
     """``TrajectoryStore`` on Delta tables (local disk or object storage); thread-safe (module docstring)."""
 
     def __init__(self, root: str | os.PathLike[str], storage_options: dict[str, str] | None = None) -> None:
@@ -256,18 +249,6 @@ class DeltaTrajectoryStore:
         """
         table = self.latest_table(name)
         return None if table is None else table.transaction_version(app_id)
-
-    def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
-        """Append trajectories; return the new table version, or None if skipped (already written or empty)."""
-        return self._append(TRAJECTORIES, to_table(records, TRAJECTORY_SCHEMA), app_id, txn_version)
-
-    def append_usage(self, rows: Sequence[Usage], *, app_id: str, txn_version: int) -> int | None:
-        """Append usage rows; return the new table version, or None if skipped (already written or empty)."""
-        return self._append(USAGE, to_table(rows, USAGE_SCHEMA), app_id, txn_version)
-
-    def append_cache(self, rows: Sequence[CachedSample], *, app_id: str, txn_version: int) -> int | None:
-        """Append a rollout-cache snapshot; return the new table version, or None if skipped."""
-        return self._append(ROLLOUT_CACHE, to_table(rows, CACHE_SCHEMA), app_id, txn_version)
 
     def read_trajectories(self, *, run_id: str, rollout_step: int | None = None,
                           ids: Sequence[str] | None = None, versions: tuple[int, int] | None = None) -> pa.Table:

@@ -8,18 +8,20 @@ from collections.abc import Mapping, Sequence
 import pyarrow as pa
 
 from reflow.storage.schema import (
-    CACHE_SCHEMA,
     TRAJECTORY_SCHEMA,
     USAGE_SCHEMA,
-    CachedSample,
-    Trajectory,
-    Usage,
-    to_table,
 )
-from reflow.storage.store import READ_ORDER, ROLLOUT_CACHE, TABLE_SPECS, TRAJECTORIES, USAGE, trajectory_filter
+from reflow.storage.store import (
+    READ_ORDER,
+    TABLE_SPECS,
+    TRAJECTORIES,
+    USAGE,
+    RecordAppends,
+    trajectory_filter,
+)
 
 
-class InMemoryTrajectoryStore:
+class InMemoryTrajectoryStore(RecordAppends):
     """``TrajectoryStore`` on in-process Arrow tables, for unit tests of other code.
 
     Same idempotency and version numbering as the Delta store (creating a
@@ -54,18 +56,6 @@ class InMemoryTrajectoryStore:
         """The latest ``txn_version`` committed to table ``name`` under ``app_id`` (None: none yet)."""
         with self._lock:
             return self._txns.get((name, app_id))
-
-    def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
-        """Append trajectories; return the new version, or None if skipped (already written or empty)."""
-        return self._append(TRAJECTORIES, to_table(records, TRAJECTORY_SCHEMA), app_id, txn_version)
-
-    def append_usage(self, rows: Sequence[Usage], *, app_id: str, txn_version: int) -> int | None:
-        """Append usage rows; return the new version, or None if skipped (already written or empty)."""
-        return self._append(USAGE, to_table(rows, USAGE_SCHEMA), app_id, txn_version)
-
-    def append_cache(self, rows: Sequence[CachedSample], *, app_id: str, txn_version: int) -> int | None:
-        """Append a rollout-cache snapshot; return the new version, or None if skipped."""
-        return self._append(ROLLOUT_CACHE, to_table(rows, CACHE_SCHEMA), app_id, txn_version)
 
     def read_trajectories(self, *, run_id: str, rollout_step: int | None = None,
                           ids: Sequence[str] | None = None, versions: tuple[int, int] | None = None) -> pa.Table:

@@ -7,6 +7,7 @@ unit tests of other code). Every SQL string lives in ``storage``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -14,7 +15,15 @@ from typing import Protocol, runtime_checkable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from reflow.storage.schema import CACHE_SCHEMA, TRAJECTORY_SCHEMA, USAGE_SCHEMA, CachedSample, Trajectory, Usage
+from reflow.storage.schema import (
+    CACHE_SCHEMA,
+    TRAJECTORY_SCHEMA,
+    USAGE_SCHEMA,
+    CachedSample,
+    Trajectory,
+    Usage,
+    to_table,
+)
 
 TRAJECTORIES = "trajectories"
 USAGE = "usage"
@@ -84,6 +93,31 @@ class TrajectoryStore(Protocol):
     def compact(self, retention_hours: int | None = None) -> dict[str, object]:
         """Merge small files, checkpoint and vacuum each table; return metrics per table."""
         ...
+
+
+class RecordAppends(ABC):
+    """The three typed appends of a ``TrajectoryStore``, over the implementation's one ``_append``.
+
+    ``_append(table name, Arrow rows, app_id, txn_version)`` returns the new
+    table version, or None when ``(app_id, txn_version)`` was already committed
+    or there are no rows.
+    """
+
+    @abstractmethod
+    def _append(self, name: str, data: pa.Table, app_id: str, txn_version: int) -> int | None:
+        """Commit ``data`` to table ``name`` under ``(app_id, txn_version)``, each store its own way."""
+
+    def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
+        """Append trajectories; return the new table version, or None if skipped (already written or empty)."""
+        return self._append(TRAJECTORIES, to_table(records, TRAJECTORY_SCHEMA), app_id, txn_version)
+
+    def append_usage(self, rows: Sequence[Usage], *, app_id: str, txn_version: int) -> int | None:
+        """Append usage rows; return the new table version, or None if skipped (already written or empty)."""
+        return self._append(USAGE, to_table(rows, USAGE_SCHEMA), app_id, txn_version)
+
+    def append_cache(self, rows: Sequence[CachedSample], *, app_id: str, txn_version: int) -> int | None:
+        """Append a rollout-cache snapshot; return the new table version, or None if skipped."""
+        return self._append(ROLLOUT_CACHE, to_table(rows, CACHE_SCHEMA), app_id, txn_version)
 
 
 def trajectory_filter(run_id: str, rollout_step: int | None, ids: Sequence[str] | None,
