@@ -36,5 +36,5 @@ def test_sigkill_of_the_driver_alone_leaves_nothing_running(tmp_path: Path, refl
     run.wait_for_step(1)
     run.proc.send_signal(signal.SIGKILL)
     assert run.finish(timeout=30) == -signal.SIGKILL
-    left = run.survivors(timeout=40)
+    left = run.survivors()
     assert not left, f"processes of the killed run are still alive: {left}"
