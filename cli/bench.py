@@ -20,9 +20,9 @@ def cmd_bench_sampler(args: argparse.Namespace) -> int:
     figures = bench_sampler(args.rows, args.root, queries=args.queries, rebuild=args.rebuild)
     text = json.dumps(figures, indent=2)
     print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench_sampler.json").write_text(text)
+    if args.output:
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+        (Path(args.output) / "bench_sampler.json").write_text(text)
     return 0
 
 
@@ -42,9 +42,9 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
     figures = bench_engine(cfg, levels, args.steps, args.warmup, prefill_lengths,
                            progress=lambda line: print(line, flush=True))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench_engine.json").write_text(json.dumps(figures, indent=2))
+    if args.output:
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+        (Path(args.output) / "bench_engine.json").write_text(json.dumps(figures, indent=2))
     return 0
 
 
@@ -65,9 +65,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     preflight(cfg)
     if cfg.env.eval_prompts == 0:
         raise InputError("env.eval_prompts: the benchmark needs held-out prompts (> 0)")
-    out = Path(args.out)
+    out = Path(args.output)
     if out.exists() and not out.is_dir():
-        raise InputError(f"--out: {str(out)!r} exists and is not a directory")
+        raise InputError(f"--output: {str(out)!r} exists and is not a directory")
     quiet_environment(False)
     start_prefect_api()
     from reflow.flows.bench import bench_flow  # Prefect (about 2 s) only when a command runs a flow
@@ -78,13 +78,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_report(args: argparse.Namespace) -> int:
-    if args.out and (Path(args.out).is_dir() or not Path(args.out).parent.is_dir()):
-        raise InputError(f"--out: {args.out!r} must be a file in an existing directory")
+    if args.output and (Path(args.output).is_dir() or not Path(args.output).parent.is_dir()):
+        raise InputError(f"--output: {args.output!r} must be a file in an existing directory")
     results = []
     for item in args.dirs:
         path = Path(item)
         if not (path / "bench.json" if path.is_dir() else path).is_file():
-            raise InputError(f"{item}: no bench.json there (run reflow bench --out {item} first)")
+            raise InputError(f"{item}: no bench.json there (run reflow bench --output {item} first)")
         try:
             results += mode_bench.load_results(path)
         except ValueError as exc:
@@ -94,8 +94,8 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
     speedups = mode_bench.seed_speedups(results)
     limits = decompose.speed_limits(results)
     print(mode_bench.seed_table(speedups) + "\n\n" + decompose.limits_table(limits), flush=True)
-    if args.out:
-        tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
+    if args.output:
+        tmp = Path(args.output).with_name(Path(args.output).name + ".tmp")
         tmp.write_text(json.dumps({**speedups, "limits": limits}, indent=2))
-        tmp.replace(args.out)
+        tmp.replace(args.output)
     return 0

@@ -55,14 +55,14 @@ def is_timing_metric(name: str) -> bool:
     return name.endswith(TIMING_SUFFIXES) or name in TIMING_METRICS
 
 
-def locate(run: str, tracking_uri: str | None, out: str | None) -> tuple[str, str]:
+def locate(run: str, tracking_uri: str | None, runs: str | None) -> tuple[str, str]:
     """(tracking URI, MLflow run id) for ``run``: an MLflow run id, or a run directory (its run.json says both).
 
-    The store is ``--tracking-uri``, else ``sqlite:///<--out>/mlflow.db``, else ``$MLFLOW_TRACKING_URI``,
+    The store is ``--tracking-uri``, else ``sqlite:///<--runs>/mlflow.db``, else ``$MLFLOW_TRACKING_URI``,
     else ``runs/mlflow.db`` (the default out_dir).
     """
-    if tracking_uri and out:
-        raise ReproduceError("give --tracking-uri or --out, not both")
+    if tracking_uri and runs:
+        raise ReproduceError("give --tracking-uri or --runs, not both")
     run_json = Path(run) / RUN_FILE
     if run_json.is_file():
         try:
@@ -77,8 +77,8 @@ def locate(run: str, tracking_uri: str | None, out: str | None) -> tuple[str, st
         raise ReproduceError(f"{run!r} is a path but not a run directory (no {RUN_FILE})")
     if tracking_uri:
         return tracking_uri, run
-    if out:
-        return f"sqlite:///{Path(out).resolve() / 'mlflow.db'}", run
+    if runs:
+        return f"sqlite:///{Path(runs).resolve() / 'mlflow.db'}", run
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"], run
     return f"sqlite:///{Path('runs').resolve() / 'mlflow.db'}", run
@@ -89,7 +89,7 @@ def open_client(tracking_uri: str):
     if tracking_uri.startswith("sqlite:///"):
         db = Path(tracking_uri[len("sqlite:///"):])
         if not db.is_file():
-            raise ReproduceError(f"no MLflow store at {db}: pass --out DIR (the directory the run was written "
+            raise ReproduceError(f"no MLflow store at {db}: pass --runs DIR (the folder the run was written "
                                  "under) or --tracking-uri URI")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow import MlflowClient  # about 2.5 s: only when a command reads MLflow
@@ -251,15 +251,15 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     if not 0 <= args.tolerance < float("inf"):
         raise InputError("--tolerance must be a finite number >= 0")
     try:
-        tracking_uri, original_id = locate(args.run, args.tracking_uri, args.out)
+        tracking_uri, original_id = locate(args.run, args.tracking_uri, args.runs)
         client = open_client(tracking_uri)
         manifest = fetch_manifest(client, original_id, tracking_uri)
         try:
             cfg = ReflowConfig.model_validate(manifest["config"])
         except ValueError as exc:
             raise ConfigError(f"the recorded config of {original_id} is not valid with this code: {exc}") from None
-        # The repeat goes under --out (else where the original went) and is tracked next to the original.
-        run = cfg.run.model_copy(update={"out_dir": args.out}) if args.out else cfg.run
+        # The repeat goes under --runs (else where the original went) and is tracked next to the original.
+        run = cfg.run.model_copy(update={"out_dir": args.runs}) if args.runs else cfg.run
         cfg = cfg.model_copy(update={"run": run,
                                      "tracking": cfg.tracking.model_copy(update={"tracking_uri": tracking_uri})})
         preflight(cfg)

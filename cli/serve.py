@@ -135,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")  # flow-run logs (progress lines) go to the UI
     quiet_environment(False)
     try:
-        return serve(args.host, args.port, args.api_url, str(Path(args.out).resolve()))
+        return serve(args.host, args.port, args.api_url, str(Path(args.runs).resolve()))
     except ServeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

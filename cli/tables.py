@@ -75,7 +75,7 @@ def format_table(table: pa.Table, max_rows: int) -> str:
     out = [line(names), "  ".join("-" * w for w in widths)] + [line(r) for r in cells]
     rest = table.num_rows - len(shown)
     out.append(f"({table.num_rows} row{'s' if table.num_rows != 1 else ''}"
-               + (f"; {rest} not shown, use --max-rows or --out FILE)" if rest else ")"))
+               + (f"; {rest} not shown, use --max-rows or --output FILE)" if rest else ")"))
     return "\n".join(out)
 
 
@@ -95,11 +95,11 @@ def write_result(table: pa.Table, path: str | Path) -> Path:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in OUTPUT_FORMATS:
-        raise ValueError(f"--out {str(path)!r}: unknown format; use a file ending in {', '.join(OUTPUT_FORMATS)}")
+        raise ValueError(f"--output {str(path)!r}: unknown format; use a file ending in {', '.join(OUTPUT_FORMATS)}")
     if path.is_dir():
-        raise ValueError(f"--out {str(path)!r} is a directory")
+        raise ValueError(f"--output {str(path)!r} is a directory")
     if not path.parent.is_dir():
-        raise ValueError(f"--out {str(path)!r}: directory {str(path.parent)!r} does not exist")
+        raise ValueError(f"--output {str(path)!r}: directory {str(path.parent)!r} does not exist")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         if suffix == ".parquet":
@@ -132,16 +132,16 @@ def cmd_query(args: argparse.Namespace) -> int:
         as_of = parse_as_of(args.as_of_version, tuple(TABLE_SPECS))
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    if args.out and Path(args.out).suffix.lower() not in (".csv", ".parquet", ".jsonl"):
-        raise InputError(f"--out {args.out!r}: use a file ending in .csv, .parquet or .jsonl")
+    if args.output and Path(args.output).suffix.lower() not in (".csv", ".parquet", ".jsonl"):
+        raise InputError(f"--output {args.output!r}: use a file ending in .csv, .parquet or .jsonl")
     target, store = open_target(args)
     try:
         result = store.query(args.sql, as_of=as_of)
     except StorageError as exc:
         raise InputError(str(exc)) from None
-    if args.out:
+    if args.output:
         try:
-            path = write_result(result, args.out)
+            path = write_result(result, args.output)
         except ValueError as exc:
             raise InputError(str(exc)) from None
         print(f"{result.num_rows} rows -> {path}")

@@ -29,7 +29,7 @@ def find_run(run: str, out: str | None) -> Path:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    run_dir = find_run(args.run, args.out)
+    run_dir = find_run(args.run, args.runs)
     try:
         cfg = ReflowConfig.model_validate_json((run_dir / "config.json").read_text())
         record = run_dir / "run.json"
@@ -59,9 +59,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.config or args.overrides:
             raise InputError("--resume continues a run with its saved config; drop --config and --set")
         args.run = args.resume
-        args.out = args.out or "runs"
+        args.runs = args.runs or "runs"
         return cmd_resume(args)
-    overrides = list(args.overrides) + ([f"run.out_dir={json.dumps(args.out)}"] if args.out else [])
+    overrides = list(args.overrides) + ([f"run.out_dir={json.dumps(args.runs)}"] if args.runs else [])
     cfg = load_config(args.config, overrides)
     preflight(cfg)
     quiet_environment(args.verbose)
@@ -107,7 +107,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Held-out accuracy of a finished run's final model, on fresh workers (the UI's evaluate flow)."""
-    run_dir = find_run(args.run, args.out)
+    run_dir = find_run(args.run, args.runs)
     if not (run_dir / "final_model" / "config.json").is_file() or not (run_dir / "run.json").is_file():
         raise InputError(f"{run_dir} has no final model (final_model/config.json): the run did not finish; "
                          "`reflow resume` it first")

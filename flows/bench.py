@@ -36,8 +36,8 @@ def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, o
     """
     runs = Path(out) / "runs" / f"{mode}-s{seed}"
     if runs.exists() and any(runs.iterdir()):
-        raise RuntimeError(f"{runs} is not empty; choose a new --out")
-    cmd = [sys.executable, "-m", "reflow.cli.main", "run", "--out", str(runs)]
+        raise RuntimeError(f"{runs} is not empty; choose a new --output")
+    cmd = [sys.executable, "-m", "reflow.cli.main", "run", "--runs", str(runs)]
     if config:
         cmd += ["--config", config]
     kind, scheduling = ROWS[mode]

@@ -47,10 +47,10 @@ def latest_run(runs_dir: str | Path) -> Path:
     """The most recently started run under ``runs_dir``."""
     root = Path(runs_dir)
     if not root.is_dir():
-        raise RunNotFound(f"no runs directory {str(root)!r}; pass --run RUN_DIR (or --runs DIR)")
+        raise RunNotFound(f"no runs directory {str(root)!r}; name the run (a directory) or its folder (--runs DIR)")
     runs = [p for p in root.iterdir() if p.is_dir() and _is_run_dir(p)]
     if not runs:
-        raise RunNotFound(f"no run directories (with {CONFIG_FILE} or {RUN_FILE}) under {str(root)!r}; pass --run RUN_DIR")
+        raise RunNotFound(f"no run directories (with {CONFIG_FILE} or {RUN_FILE}) under {str(root)!r}; name the run's directory")
     return max(runs, key=_started)
 
 
@@ -95,9 +95,9 @@ def read_run_json(run_dir: Path) -> dict:
 
 
 def resolve_target(run: str | None, root: str | None, runs_dir: str | Path = "runs") -> TableTarget:
-    """The tables a command should use: ``--root`` as given, else the run's (``--run`` or the latest)."""
+    """The tables a command should use: ``--root`` as given, else the run's (RUN or the latest)."""
     if run is not None and root is not None:
-        raise RunNotFound("give --run or --root, not both")
+        raise RunNotFound("give RUN or --root, not both")
     if root is not None:
         if "://" not in root and not Path(root).is_dir():
             raise RunNotFound(f"--root: {root!r} is not a directory")

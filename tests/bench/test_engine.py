@@ -72,7 +72,7 @@ def test_bench_engine_on_vllm(random_model_dir: Path, tmp_path: Path) -> None:
         [sys.executable, "-m", "reflow.cli.main", "bench-engine",
          "--set", f"model.path={json.dumps(str(random_model_dir))}", "--set", "model.dtype=\"float32\"",
          "--set", "rollout.engine=\"vllm\"", "--set", "rollout.max_response_tokens=32",
-         "--concurrency", "2,8", "--steps", "6", "--warmup", "2", "--prefill-tokens", "16", "--out", str(tmp_path)],
+         "--concurrency", "2,8", "--steps", "6", "--warmup", "2", "--prefill-tokens", "16", "--output", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ})
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = json.loads((tmp_path / "bench_engine.json").read_text())

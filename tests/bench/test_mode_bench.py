@@ -171,7 +171,7 @@ def test_samples_to_target_splits_time_to_target_into_data_and_rate(tmp_path: Pa
 
 
 def _result(out: Path, mode: str, seed: int, ttt: float | None, final: float = 0.4) -> mode_bench.ModeResult:
-    """A summarised run as ``reflow bench --out OUT`` lays it out (only what ``seed_speedups`` reads matters)."""
+    """A summarised run as ``reflow bench --output OUT`` lays it out (only what ``seed_speedups`` reads matters)."""
     return mode_bench.ModeResult(mode=mode, seed=seed, run_dir=str(out / "runs" / f"{mode}-s{seed}" / "run"), steps=30,
                             wall_s=60.0, baseline_accuracy=0.2, final_accuracy=final, target_accuracy=0.35,
                             time_to_target_s=ttt, generated_tokens_per_s=1.0, engine_tokens_per_s=1.0,
@@ -227,7 +227,7 @@ def test_bench_json_round_trips_and_bench_report_reads_several(tmp_path: Path) -
         assert json.loads((out / "bench.json").read_text())["reflow_by_seed"]["per_seed"][0]["vs_sync"] == \
             pytest.approx(20.0 / ttt)
     cli = [sys.executable, "-m", "reflow.cli.main", "bench-report"]
-    done = subprocess.run([*cli, str(tmp_path / "a"), str(tmp_path / "b" / "bench.json"), "--out",
+    done = subprocess.run([*cli, str(tmp_path / "a"), str(tmp_path / "b" / "bench.json"), "--output",
                            str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "a/s0: 8.0 s, 2.50x the best baseline (sync), 2.50x sync" in done.stdout
@@ -238,6 +238,6 @@ def test_bench_json_round_trips_and_bench_report_reads_several(tmp_path: Path) -
     (tmp_path / "bad.json").write_text("{}")
     for args, message in (([str(tmp_path / "nowhere")], "no bench.json there"),
                           ([str(tmp_path / "bad.json")], "not a bench.json"),
-                          ([str(tmp_path / "a"), "--out", str(tmp_path)], "must be a file")):
+                          ([str(tmp_path / "a"), "--output", str(tmp_path)], "must be a file")):
         done = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr, done.stderr

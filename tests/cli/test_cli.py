@@ -27,7 +27,7 @@ def test_help_is_fast_and_lists_commands(tmp_path: Path) -> None:
 
 
 def test_bad_override_exits_2_and_names_field(tmp_path: Path) -> None:
-    proc = _reflow("run", "--set", "rollout.samples_per_prompt=0", "--out", "runs", cwd=tmp_path)
+    proc = _reflow("run", "--set", "rollout.samples_per_prompt=0", "--runs", "runs", cwd=tmp_path)
     assert proc.returncode == 2
     assert "rollout.samples_per_prompt" in proc.stderr and "greater than or equal to 1" in proc.stderr
     assert not (tmp_path / "runs").exists()
@@ -36,7 +36,7 @@ def test_bad_override_exits_2_and_names_field(tmp_path: Path) -> None:
 def test_unknown_field_in_file_exits_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[rollout]\nprompts_per_stepp = 4\n")
-    proc = _reflow("run", "--config", str(bad), "--out", "runs", cwd=tmp_path)
+    proc = _reflow("run", "--config", str(bad), "--runs", "runs", cwd=tmp_path)
     assert proc.returncode == 2 and "rollout.prompts_per_stepp" in proc.stderr and "unknown field" in proc.stderr
     assert not (tmp_path / "runs").exists()
 
@@ -50,11 +50,11 @@ def test_invalid_toml_and_missing_file_exit_2(tmp_path: Path) -> None:
 
 
 def test_missing_model_path_exits_2(tmp_path: Path) -> None:
-    proc = _reflow("run", "--set", f'model.path="{tmp_path / "no-model"}"', "--out", "runs", cwd=tmp_path)
+    proc = _reflow("run", "--set", f'model.path="{tmp_path / "no-model"}"', "--runs", "runs", cwd=tmp_path)
     assert proc.returncode == 2 and "model.path" in proc.stderr and "does not exist" in proc.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = _reflow("run", "--set", f'model.path="{empty}"', "--out", "runs", cwd=tmp_path)
+    proc = _reflow("run", "--set", f'model.path="{empty}"', "--runs", "runs", cwd=tmp_path)
     assert proc.returncode == 2 and "no config.json" in proc.stderr
     assert not (tmp_path / "runs").exists()
 
@@ -63,7 +63,7 @@ def test_unreadable_table_path_exits_2(tmp_path: Path) -> None:
     root = tmp_path / "tables"
     (root / "trajectories").mkdir(parents=True)
     (root / "trajectories" / "junk.parquet").write_text("not a delta table")
-    proc = _reflow("run", "--set", f'storage.root="{root}"', "--out", "runs", cwd=tmp_path)
+    proc = _reflow("run", "--set", f'storage.root="{root}"', "--runs", "runs", cwd=tmp_path)
     assert proc.returncode == 2 and "storage.root" in proc.stderr and "trajectories" in proc.stderr
     assert (root / "trajectories" / "junk.parquet").read_text() == "not a delta table"
     afile = tmp_path / "afile"
@@ -78,7 +78,7 @@ def test_bench_bad_input_exits_2_and_creates_nothing(tmp_path: Path) -> None:
              (["--set", "buffer.replay_ratio=2"], "buffer.replay_ratio"),
              (["--set", "env.eval_prompts=0"], "env.eval_prompts")]
     for extra, message in cases:
-        proc = _reflow("bench", "--out", "b", *extra, cwd=tmp_path)
+        proc = _reflow("bench", "--output", "b", *extra, cwd=tmp_path)
         assert proc.returncode == 2, (extra, proc.stderr)
         assert message in proc.stderr, (extra, proc.stderr)
         assert not (tmp_path / "b").exists()
@@ -88,7 +88,7 @@ def test_bad_dataset_exits_2_before_anything_is_written(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    base = ["run", "--out", "runs", "--set", "env.kind=code", "--set", f'model.path="{model}"']
+    base = ["run", "--runs", "runs", "--set", "env.kind=code", "--set", f'model.path="{model}"']
     proc = _reflow(*base, "--set", f'env.data_path="{tmp_path / "missing.jsonl"}"', cwd=tmp_path)
     assert proc.returncode == 2 and "env.data_path" in proc.stderr and "no such file" in proc.stderr
     wrong = tmp_path / "wrong.jsonl"
@@ -103,7 +103,7 @@ def test_bad_dataset_exits_2_before_anything_is_written(tmp_path: Path) -> None:
 
 
 def test_resume_of_a_missing_run_exits_2(tmp_path: Path) -> None:
-    proc = _reflow("resume", "no-such-run", "--out", "runs", cwd=tmp_path)
+    proc = _reflow("resume", "no-such-run", "--runs", "runs", cwd=tmp_path)
     assert proc.returncode == 2 and "'no-such-run' is not a run directory" in proc.stderr
     assert not (tmp_path / "runs").exists()
 
@@ -256,7 +256,7 @@ def test_an_unwritable_or_full_output_directory_is_one_line_and_exit_2(tmpfs, tm
     if "size=64k" in options:  # fill what little there is, as a full disk would be
         (disk / "fill").write_bytes(b"\0" * 32 * 1024)
     before = sorted(p.name for p in disk.iterdir())
-    proc = _reflow("run", "--out", str(disk / "runs"), "--set", "run.total_steps=1", cwd=tmp_path)
+    proc = _reflow("run", "--runs", str(disk / "runs"), "--set", "run.total_steps=1", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -294,5 +294,32 @@ def test_evaluate_needs_a_finished_run(tmp_path: Path) -> None:
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
     (run / "config.json").write_text("{}")
-    proc = _reflow("evaluate", "r1", "--out", str(tmp_path / "runs"), cwd=tmp_path)
+    proc = _reflow("evaluate", "r1", "--runs", str(tmp_path / "runs"), cwd=tmp_path)
     assert proc.returncode == 2 and "has no final model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_one_grammar_and_its_reference(tmp_path: Path) -> None:
+    """docs/cli.md is the parser's; `--runs` is the folder of runs and `--output` what is written, in every
+    command that has them; the old flags are refused naming the new ones (exit 2, nothing written)."""
+    from reflow.cli.main import cli_reference
+
+    assert (REPO / "docs" / "cli.md").read_text() == cli_reference(), (
+        "docs/cli.md is stale: regenerate it with the command at its top")
+    rows = [line.strip("| ").split(" | ") for line in cli_reference().splitlines() if line.startswith("| `reflow")]
+    for command, argument, meaning in rows:
+        if argument.startswith("`--runs`"):
+            assert "folder" in meaning, (command, meaning)
+        if argument.startswith("`--output"):
+            assert "write" in meaning or "go" in meaning, (command, meaning)
+        assert not argument.startswith(("`--out`", "`--run`")), (command, argument)
+    assert {r[0] for r in rows if r[1].startswith("`RUN")} >= {"`reflow resume`", "`reflow evaluate`",
+                                                                "`reflow query`", "`reflow maintain`"}
+    for argv, hint in ((["run", "--out", "runs"], "--out is now --runs DIR"),
+                       (["query", "SELECT 1", "--run", "r"], "--run is now a positional RUN"),
+                       (["bench", "--out", "b"], "--out is now --output")):
+        proc = _reflow(*argv, cwd=tmp_path)
+        assert proc.returncode == 2 and hint in proc.stderr, (argv, proc.stderr)
+    assert not any(tmp_path.iterdir())
+    # the run after the SQL, also behind a flag (argparse alone refuses that order): looked up, not refused
+    proc = _reflow("query", "SELECT 1", "--max-rows", "3", "nope", "--runs", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2 and "'nope'" in proc.stderr and "unrecognized" not in proc.stderr, proc.stderr

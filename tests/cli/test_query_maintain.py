@@ -91,7 +91,7 @@ def run_dir(tmp_path: Path) -> Path:
 
 def test_query_prints_a_table_and_writes_files(run_dir: Path, tmp_path: Path, capsys) -> None:
     code, out, err = reflow(["query", "SELECT policy_version, count(*) AS n FROM trajectories GROUP BY policy_version "
-                             "ORDER BY policy_version", "--run", str(run_dir)], capsys)
+                             "ORDER BY policy_version", str(run_dir)], capsys)
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].split() == ["policy_version", "n"]
@@ -101,7 +101,7 @@ def test_query_prints_a_table_and_writes_files(run_dir: Path, tmp_path: Path, ca
     sql = "SELECT trajectory_id, response_tokens, reward FROM trajectories ORDER BY trajectory_id"
     for suffix in (".csv", ".parquet", ".jsonl"):
         target = tmp_path / f"result{suffix}"
-        code, out, err = reflow(["query", sql, "--run", str(run_dir), "--out", str(target)], capsys)
+        code, out, err = reflow(["query", sql, str(run_dir), "--output", str(target)], capsys)
         assert code == 0, err
         assert f"12 rows -> {target}" in out
     back = pq.read_table(tmp_path / "result.parquet")
@@ -122,8 +122,8 @@ def test_query_defaults_to_the_latest_run(tmp_path: Path, capsys, monkeypatch) -
 
 def test_query_as_of_version_reads_an_earlier_table(run_dir: Path, capsys) -> None:
     sql = "SELECT count(*) AS n FROM usage"
-    latest = reflow(["query", sql, "--run", str(run_dir)], capsys)[1]
-    first = reflow(["query", sql, "--run", str(run_dir), "--as-of-version", "usage=1"], capsys)[1]
+    latest = reflow(["query", sql, str(run_dir)], capsys)[1]
+    first = reflow(["query", sql, str(run_dir), "--as-of-version", "usage=1"], capsys)[1]
     assert latest.splitlines()[2].strip() == str(4 + 6 + 6)
     assert first.splitlines()[2].strip() == "4"  # version 1 is the first append (step 0)
 
@@ -132,11 +132,11 @@ def test_documented_queries_run(run_dir: Path, tmp_path: Path, capsys, monkeypat
     """Every `reflow query` command shown in the README and in docs/operations.md runs against a run's tables."""
     text = (REPO / "README.md").read_text() + (REPO / "docs" / "operations.md").read_text()
     commands = [shlex.split(m) for m in re.findall(r"^reflow query .*$", text, flags=re.M)]
-    commands = [argv for argv in commands if "--run" not in argv and "--root" not in argv]
+    commands = [argv for argv in commands if "--root" not in argv]  # the run: appended
     assert len(commands) >= 4
-    monkeypatch.chdir(tmp_path)  # --out files land here
+    monkeypatch.chdir(tmp_path)  # --output files land here
     for argv in commands:
-        code, out, err = reflow(argv[1:] + ["--run", str(run_dir)], capsys)
+        code, out, err = reflow(argv[1:] + [str(run_dir)], capsys)
         assert code == 0, (argv, err)
         assert "row" in out, (argv, out)
 
@@ -145,15 +145,15 @@ def test_query_bad_input_exits_2_and_changes_nothing(run_dir: Path, tmp_path: Pa
     tables = run_dir / "tables"
     before = files_of(tables)
     cases = [
-        (["SELECT 1", "--run", str(tmp_path / "nope")], "is not a run directory"),
-        (["SELECT 1", "--run", str(tables)], "pass it as --root"),
-        (["SELEC * FROM usage", "--run", str(run_dir)], "ParserError"),
-        (["SELECT nope FROM usage", "--run", str(run_dir)], "No field named nope"),
-        (["SELECT * FROM rollout_cache", "--run", str(run_dir)], "'rollout_cache' does not exist yet"),
-        (["SELECT 1", "--run", str(run_dir), "--as-of-version", "usage=99"], "version 99 does not exist"),
-        (["SELECT 1", "--run", str(run_dir), "--as-of-version", "usagee=1"], "TABLE=VERSION"),
-        (["SELECT 1", "--run", str(run_dir), "--out", str(tmp_path / "x.xlsx")], ".csv, .parquet or .jsonl"),
-        (["SELECT 1", "--run", str(run_dir), "--out", str(tmp_path / "no/dir/x.csv")], "does not exist"),
+        (["SELECT 1", str(tmp_path / "nope")], "is not a run directory"),
+        (["SELECT 1", str(tables)], "pass it as --root"),
+        (["SELEC * FROM usage", str(run_dir)], "ParserError"),
+        (["SELECT nope FROM usage", str(run_dir)], "No field named nope"),
+        (["SELECT * FROM rollout_cache", str(run_dir)], "'rollout_cache' does not exist yet"),
+        (["SELECT 1", str(run_dir), "--as-of-version", "usage=99"], "version 99 does not exist"),
+        (["SELECT 1", str(run_dir), "--as-of-version", "usagee=1"], "TABLE=VERSION"),
+        (["SELECT 1", str(run_dir), "--output", str(tmp_path / "x.xlsx")], ".csv, .parquet or .jsonl"),
+        (["SELECT 1", str(run_dir), "--output", str(tmp_path / "no/dir/x.csv")], "does not exist"),
     ]
     for args, message in cases:
         code, out, err = reflow(["query", *args], capsys)
@@ -164,7 +164,7 @@ def test_query_bad_input_exits_2_and_changes_nothing(run_dir: Path, tmp_path: Pa
 
 
 def test_sql_error_from_the_command_line_has_no_traceback(run_dir: Path, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "reflow.cli.main", "query", "SELECT * FROM usage WHERE", "--run",
+    proc = subprocess.run([sys.executable, "-m", "reflow.cli.main", "query", "SELECT * FROM usage WHERE",
                            str(run_dir)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: query on ") and "SQL error" in proc.stderr
@@ -183,7 +183,7 @@ def test_table_of_another_schema_is_refused(run_dir: Path, capsys) -> None:
     _foreign_usage(run_dir)
     before = files_of(run_dir / "tables")
     for args in (["query", "SELECT count(*) FROM trajectories"], ["maintain", "--retention-hours", "0"]):
-        code, _, err = reflow([*args, "--run", str(run_dir)], capsys)
+        code, _, err = reflow([*args, str(run_dir)], capsys)
         assert code == 2, args
         assert "does not have the reflow usage schema" in err and "missing column 'trajectory_id'" in err
     assert files_of(run_dir / "tables") == before
@@ -191,28 +191,28 @@ def test_table_of_another_schema_is_refused(run_dir: Path, capsys) -> None:
 
 def test_maintain_compacts_and_vacuums_keeping_the_rows(run_dir: Path, capsys, prefect_api) -> None:
     sql = "SELECT trajectory_id, trainer_step FROM usage ORDER BY trajectory_id, trainer_step"
-    rows_before = reflow(["query", sql, "--run", str(run_dir), "--max-rows", "100"], capsys)[1]
+    rows_before = reflow(["query", sql, str(run_dir), "--max-rows", "100"], capsys)[1]
     data_before = [p for p in (run_dir / "tables").rglob("*.parquet")]
-    code, out, err = reflow(["maintain", "--run", str(run_dir), "--retention-hours", "0"], capsys)
+    code, out, err = reflow(["maintain", str(run_dir), "--retention-hours", "0"], capsys)
     assert code == 0, err
     for table, files_before, files_after in (("trajectories", 6, 3), ("usage", 3, 1)):  # 3 partitions / 1
         assert re.search(rf"{table} +version \d+ -> \d+: {files_before} files compacted into {files_after}, "
                          rf"{files_before} vacuumed", out), out
-    assert reflow(["query", sql, "--run", str(run_dir), "--max-rows", "100"], capsys)[1] == rows_before
+    assert reflow(["query", sql, str(run_dir), "--max-rows", "100"], capsys)[1] == rows_before
     data_after = [p for p in (run_dir / "tables").rglob("*.parquet")]
     assert len(data_after) < len(data_before)
     assert (run_dir / "tables/usage/_delta_log/00000000000000000004.checkpoint.parquet").is_file()
     # retention 0 removed the files of earlier versions: time travel there now fails, with a message
-    code, _, err = reflow(["query", "SELECT trajectory_id FROM usage", "--run", str(run_dir), "--as-of-version",
+    code, _, err = reflow(["query", "SELECT trajectory_id FROM usage", str(run_dir), "--as-of-version",
                            "usage=1"], capsys)
     assert code == 2 and "usage" in err and "Traceback" not in err, err
 
 
 def test_maintain_default_retention_keeps_recent_files(run_dir: Path, capsys, prefect_api) -> None:
-    code, out, err = reflow(["maintain", "--run", str(run_dir)], capsys)
+    code, out, err = reflow(["maintain", str(run_dir)], capsys)
     assert code == 0, err
     assert "0 vacuumed" in out
-    code, out, _ = reflow(["query", "SELECT count(*) AS n FROM usage", "--run", str(run_dir), "--as-of-version",
+    code, out, _ = reflow(["query", "SELECT count(*) AS n FROM usage", str(run_dir), "--as-of-version",
                            "usage=1"], capsys)
     assert code == 0 and out.splitlines()[2].strip() == "4"  # time travel still works
 
@@ -221,7 +221,7 @@ def test_maintain_refuses_while_a_run_writes(run_dir: Path, capsys, prefect_api)
     lock = WriterLock(lock_paths(run_dir, str(run_dir / "tables"), run_dir.name), run_dir.name).acquire()
     try:
         before = files_of(run_dir / "tables")
-        code, _, err = reflow(["maintain", "--run", str(run_dir), "--retention-hours", "0"], capsys)
+        code, _, err = reflow(["maintain", str(run_dir), "--retention-hours", "0"], capsys)
         assert code == 2
         assert "a run is writing to these tables" in err and f"pid {os.getpid()}" in err
         assert files_of(run_dir / "tables") == before
@@ -232,7 +232,7 @@ def test_maintain_refuses_while_a_run_writes(run_dir: Path, capsys, prefect_api)
     finally:
         lock.release()
     assert not (run_dir / LOCK_NAME).exists()
-    code, _, err = reflow(["maintain", "--run", str(run_dir)], capsys)
+    code, _, err = reflow(["maintain", str(run_dir)], capsys)
     assert code == 0, err
 
 
@@ -241,7 +241,7 @@ def test_maintain_ignores_the_lock_of_a_killed_run(run_dir: Path, capsys, prefec
     dead.wait()
     (run_dir / LOCK_NAME).write_text(json.dumps({"run_id": run_dir.name, "pid": dead.pid, "host": os.uname().nodename,
                                                  "started_at": T0.isoformat(), "heartbeat_at": T0.isoformat()}))
-    code, out, err = reflow(["maintain", "--run", str(run_dir)], capsys)
+    code, out, err = reflow(["maintain", str(run_dir)], capsys)
     assert code == 0, err
     assert "compacted" in out
 
@@ -250,11 +250,11 @@ def test_maintain_bad_input_exits_2(tmp_path: Path, run_dir: Path, capsys) -> No
     before = files_of(run_dir / "tables")
     empty = tmp_path / "empty"
     empty.mkdir()
-    cases = [(["--run", "nope", "--runs", str(tmp_path / "runs")], "no run 'nope'"),
+    cases = [(["nope", "--runs", str(tmp_path / "runs")], "no run 'nope'"),
              (["--runs", str(tmp_path / "none")], "no runs directory"),
              (["--root", str(empty)], "no reflow tables"),
-             (["--run", str(run_dir), "--retention-hours", "-1"], "--retention-hours"),
-             (["--run", str(run_dir), "--root", str(empty)], "not both")]
+             ([str(run_dir), "--retention-hours", "-1"], "--retention-hours"),
+             ([str(run_dir), "--root", str(empty)], "not both")]
     for args, message in cases:
         code, _, err = reflow(["maintain", *args], capsys)
         assert code == 2 and message in err, (args, err)

@@ -94,12 +94,12 @@ def test_reproduce_bad_input_exits_2_and_starts_nothing(recorded: dict, tmp_path
     out, run_dir = recorded["out"], recorded["run_dir"]
     ckpt = run_dir / "checkpoints/step-000002/trainer.pt"
     cases = [
-        ([recorded["run_id"], "--out", str(tmp_path / "elsewhere")], "no MLflow store at"),
-        (["0123456789abcdef0123456789abcdef", "--out", str(out)], "no MLflow run '0123456789abcdef"),
-        ([recorded["bare_id"], "--out", str(out)], f"has no readable {MANIFEST_ARTIFACT}"),
+        ([recorded["run_id"], "--runs", str(tmp_path / "elsewhere")], "no MLflow store at"),
+        (["0123456789abcdef0123456789abcdef", "--runs", str(out)], "no MLflow run '0123456789abcdef"),
+        ([recorded["bare_id"], "--runs", str(out)], f"has no readable {MANIFEST_ARTIFACT}"),
         ([str(tmp_path / "model")], "not a run directory"),
-        ([recorded["run_id"], "--out", str(out), "--tracking-uri", "sqlite:///x.db"], "not both"),
-        ([recorded["run_id"], "--out", str(out), "--tolerance", "-1"], "--tolerance"),
+        ([recorded["run_id"], "--runs", str(out), "--tracking-uri", "sqlite:///x.db"], "not both"),
+        ([recorded["run_id"], "--runs", str(out), "--tolerance", "-1"], "--tolerance"),
     ]
     before = _listing(out)
     for args, message in cases:
@@ -118,14 +118,14 @@ def test_reproduce_bad_input_exits_2_and_starts_nothing(recorded: dict, tmp_path
     assert code == 2 and "checkpoint of step 2 is corrupt" in err and "--no-checkpoints" in err
     (run_dir / "checkpoints/step-000001/trainer.pt").unlink()
     before = _listing(out)
-    code = cli.main(["reproduce", recorded["run_id"], "--out", str(out)])
+    code = cli.main(["reproduce", recorded["run_id"], "--runs", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "checkpoint of step 1 is missing" in err
     assert _listing(out) == before  # no new run directory, nothing rewritten
 
     # the model the run started from changed
     (recorded["model"] / "config.json").write_text('{"changed": true}')
-    code = cli.main(["reproduce", recorded["run_id"], "--out", str(out), "--no-checkpoints"])
+    code = cli.main(["reproduce", recorded["run_id"], "--runs", str(out), "--no-checkpoints"])
     err = capsys.readouterr().err
     assert code == 2 and "changed since the run" in err
     assert _listing(out) == before
@@ -149,7 +149,7 @@ def test_reproduce_repeats_a_sync_run_exactly(tmp_path: Path, engine: str) -> No
     out = tmp_path / "runs"
     overrides = ["--set", f'rollout.engine="{engine}"', "--set", "model.tiny.sft_steps=120",
                  "--set", "env.format_reward=0.5", "--set", f'model.cache_dir="{tmp_path / "models"}"']
-    proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(out), *overrides], cwd=tmp_path)
+    proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out), *overrides], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
     assert not (run_dir / "writer.lock").exists()  # released on a clean exit
@@ -162,7 +162,7 @@ def test_reproduce_repeats_a_sync_run_exactly(tmp_path: Path, engine: str) -> No
     assert any(s["metrics"]["grad_norm"] > 0 for s in steps), "the run must learn for the weights check to mean much"
     mlflow_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
 
-    proc = _run(["reproduce", mlflow_id, "--out", str(out), "--check"], cwd=tmp_path)
+    proc = _run(["reproduce", mlflow_id, "--runs", str(out), "--check"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "MATCHED" in proc.stdout and "Traceback" not in proc.stderr
     repeat_dir = next(p for p in out.iterdir() if (p / "reproduce.json").is_file())

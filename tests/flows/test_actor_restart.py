@@ -33,7 +33,7 @@ def _kill_worker(run, role: str, worker_pid) -> int:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_killed_engine_and_trainer_are_restarted(tmp_path: Path, reflow_process, worker_pid, mode: str) -> None:
     out = tmp_path / "runs"
-    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(out),
+    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out),
                    "--set", f"run.total_steps={TOTAL_STEPS}", "--set", "run.checkpoint_every_steps=2",
                    "--set", f'mode.kind="{mode}"', "--set", 'rollout.engine="transformers"',
                    "--set", f'model.cache_dir="{tmp_path / "models"}"'], tmp_path)

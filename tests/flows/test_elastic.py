@@ -31,7 +31,7 @@ def _engine_pids(sid: int) -> list[int]:
 @pytest.mark.parametrize("mode", ["sync", "reflow"])
 def test_elastic_engine_runs_at_lowest_priority_and_generates(tmp_path: Path, reflow_process, mode: str) -> None:
     out = tmp_path / "runs"
-    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(out),
+    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out),
                           "--set", f"run.total_steps={TOTAL_STEPS}", "--set", f'mode.kind="{mode}"',
                           "--set", "resources.elastic_engines=1", "--set", 'rollout.engine="transformers"',
                           "--set", f'model.cache_dir="{tmp_path / "models"}"'], tmp_path)

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_to_the_driver_stops_the_run_cleanly(tmp_path: Path, reflow_process, signum: int) -> None:
-    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(tmp_path / "runs"),
+    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(tmp_path / "runs"),
                           "--set", "run.total_steps=50", "--set", 'rollout.engine="transformers"',
                           "--set", f'model.cache_dir="{tmp_path / "models"}"'], tmp_path)
     run.wait_for_step(1)
@@ -30,7 +30,7 @@ def test_signal_to_the_driver_stops_the_run_cleanly(tmp_path: Path, reflow_proce
 @pytest.mark.slow
 def test_sigkill_of_the_driver_alone_leaves_nothing_running(tmp_path: Path, reflow_process) -> None:
     """No exit handler runs: Ray's processes and the ephemeral Prefect server must still go (a watchdog stops it)."""
-    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(tmp_path / "runs"),
+    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(tmp_path / "runs"),
                           "--set", "run.total_steps=50", "--set", 'rollout.engine="transformers"',
                           "--set", f'model.cache_dir="{tmp_path / "models"}"'], tmp_path)
     run.wait_for_step(1)

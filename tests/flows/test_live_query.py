@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_query_a_run_while_it_writes(tmp_path: Path, reflow_process) -> None:
     out = tmp_path / "runs"
-    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(out),
+    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out),
                           "--set", "run.total_steps=4", "--set", 'rollout.engine="transformers"',
                           "--set", f'model.cache_dir="{tmp_path / "models"}"'], tmp_path)
     run.wait_for_step(1)

@@ -49,7 +49,7 @@ def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mo
     print(f"kill schedule seed {seed} (random.Random(seed) repeats it)", flush=True)
     rng = random.Random(seed)
     out = tmp_path / "runs"
-    run_args = ["--config", str(REPO / "configs/smoke.toml"), "--out", str(out),
+    run_args = ["--config", str(REPO / "configs/smoke.toml"), "--runs", str(out),
                 "--set", f"run.total_steps={TOTAL_STEPS}", "--set", "run.checkpoint_every_steps=1",
                 "--set", 'rollout.engine="transformers"', "--set", f'model.cache_dir="{tmp_path / "models"}"']
     run_args += [arg for item in MODES[mode] for arg in ("--set", item)]
@@ -137,7 +137,7 @@ def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mo
 def test_a_run_killed_during_start_up_resumes_from_its_config(tmp_path: Path, reflow_process) -> None:
     """Killed before its workers started (config.json written, run.json not yet): `reflow resume` runs it."""
     out = tmp_path / "runs"
-    run_args = ["--config", str(REPO / "configs/smoke.toml"), "--out", str(out), "--set", "run.total_steps=2",
+    run_args = ["--config", str(REPO / "configs/smoke.toml"), "--runs", str(out), "--set", "run.total_steps=2",
                 "--set", 'rollout.engine="transformers"', "--set", f'model.cache_dir="{tmp_path / "models"}"']
     run_args += [arg for item in MODES["reflow"] for arg in ("--set", item)]  # before any mode's code: one mode
     first = reflow_process(["run", *run_args], tmp_path)
@@ -170,7 +170,7 @@ def test_a_run_killed_during_its_final_evaluation_evaluates_every_snapshot_once(
     """Deferred evaluations are on disk before the first one runs: a kill among them loses none, doubles none."""
     out = tmp_path / "runs"
     total = 4
-    run_args = ["--config", str(REPO / "configs/smoke.toml"), "--out", str(out), "--set", f"run.total_steps={total}",
+    run_args = ["--config", str(REPO / "configs/smoke.toml"), "--runs", str(out), "--set", f"run.total_steps={total}",
                 "--set", "eval.every_steps=1", "--set", "eval.deferred=true",
                 "--set", 'rollout.engine="transformers"', "--set", f'model.cache_dir="{tmp_path / "models"}"']
     run_args += [arg for item in MODES[mode] for arg in ("--set", item)]

@@ -26,7 +26,7 @@ def _run(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.Completed
 @pytest.mark.vllm
 def test_smoke_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "runs"
-    proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(out),
+    proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out),
                  "--set", f'model.cache_dir="{tmp_path / "models"}"'], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -92,7 +92,7 @@ def test_smoke_run_end_to_end(tmp_path: Path) -> None:
 def test_transformers_engine_one_step_off_end_to_end(tmp_path: Path) -> None:
     """The second backend (for machines without vLLM) drives the same flow, here overlapped one step."""
     out = tmp_path / "runs"
-    proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--out", str(out),
+    proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out),
                  "--set", f'model.cache_dir="{tmp_path / "models"}"', "--set", 'rollout.engine="transformers"',
                  "--set", "run.total_steps=3", "--set", 'mode.kind="one_step_off"'], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -114,7 +114,7 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
     """`reflow bench` over sync, async, reflow and sorted_partial: real runs, bench.json, PNG, rules in the tables."""
     out = tmp_path / "bench"
     proc = _run(["bench", "--modes", "sync,async,reflow,sorted_partial", "--config", str(REPO / "configs/smoke.toml"),
-                 "--out", str(out), "--set", "run.total_steps=6", "--set", "buffer.max_staleness_versions=1",
+                 "--runs", str(out), "--set", "run.total_steps=6", "--set", "buffer.max_staleness_versions=1",
                  "--set", f'model.cache_dir="{tmp_path / "models"}"'], cwd=tmp_path, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

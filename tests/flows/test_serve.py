@@ -28,7 +28,7 @@ def _serve(port: int, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(cwd / "prefect")}
     env.pop("PREFECT_API_URL", None)
     return subprocess.Popen([sys.executable, "-m", "reflow.cli.main", "serve", "--port", str(port),
-                             "--out", str(cwd / "runs")], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                             "--runs", str(cwd / "runs")], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

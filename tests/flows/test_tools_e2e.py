@@ -63,7 +63,7 @@ def test_tools_sync_vllm_and_async_transformers_end_to_end(tmp_path: Path) -> No
         out = tmp_path / mode
         sets = [*SMALL, f'mode.kind="{mode}"', f'rollout.engine="{engine}"',
                 f'model.cache_dir="{tmp_path / "models"}"']
-        proc = _run(["run", "--config", str(REPO / "configs/tools.toml"), "--out", str(out),
+        proc = _run(["run", "--config", str(REPO / "configs/tools.toml"), "--runs", str(out),
                      *[arg for s in sets for arg in ("--set", s)]], cwd=tmp_path, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

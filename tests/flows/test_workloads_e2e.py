@@ -24,7 +24,7 @@ SMALL = ["model.tiny.hidden_size=64", "model.tiny.num_layers=1", "model.tiny.int
 def _run(workload: str, extra: list[str], tmp_path: Path) -> tuple[Path, Path]:
     out = tmp_path / "runs"
     sets = [*SMALL, f'model.cache_dir="{tmp_path / "models"}"', *extra]
-    args = ["run", "--config", str(REPO / f"configs/{workload}.toml"), "--out", str(out)]
+    args = ["run", "--config", str(REPO / f"configs/{workload}.toml"), "--runs", str(out)]
     for item in sets:
         args += ["--set", item]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
@@ -107,7 +107,7 @@ def test_custom_reward_from_the_readme_end_to_end(tmp_path: Path) -> None:
         'env.kind="custom"', 'env.data_path="my_rows.jsonl"', 'env.reward_function="my_reward.py:exact_answer"',
         'model.path="reflow-test/tiny-arith"', "env.eval_holdout_share=0.2"]
     out = tmp_path / "runs"
-    run = subprocess.run([*cli, "run", "--out", str(out), *[a for s in sets for a in ("--set", s)]], cwd=tmp_path,
+    run = subprocess.run([*cli, "run", "--runs", str(out), *[a for s in sets for a in ("--set", s)]], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
