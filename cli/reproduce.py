@@ -38,6 +38,7 @@ from reflow.infra.provenance import (
 )
 from reflow.infra.run import read_steps
 from reflow.infra.runs import RUN_FILE
+from reflow.storage.metrics import flat_name
 from reflow.storage.tracker import quiet_mlflow_logging
 
 # Metrics that measure wall-clock time or depend on it; they differ between any two runs.
@@ -181,13 +182,14 @@ def _diff(a: float, b: float) -> float:
 
 
 def original_metrics(client: Any, run_id: str) -> dict[int, dict[str, float]]:
-    """The original's per-step metrics as MLflow holds them: ``{step: {name: value}}`` (last value per step)."""
+    """The original's per-step metrics as MLflow holds them: ``{step: {name: value}}`` (last value per step),
+    under their ``steps.jsonl`` names (runs logged before MLflow's names were grouped have those already)."""
     out: dict[int, dict[str, float]] = {}
     for name in client.get_run(run_id).data.metrics:
-        if is_timing_metric(name):
+        if is_timing_metric(flat_name(name)):
             continue
         for m in client.get_metric_history(run_id, name):
-            out.setdefault(m.step, {})[name] = m.value
+            out.setdefault(m.step, {})[flat_name(name)] = m.value
     return out
 
 

@@ -41,7 +41,7 @@ from reflow.infra.runlock import WriterLock, lock_paths
 from reflow.policies.engines import engine_settings
 from reflow.policies.models import resolve_model_dir
 from reflow.storage.delta_store import DeltaTrajectoryStore
-from reflow.storage.metrics import EvalStats, StepMetrics, StepRecord, metric_values
+from reflow.storage.metrics import EvalStats, StepMetrics, StepRecord, flat_name, metric_values, mlflow_metrics
 from reflow.storage.tracker import Tracker, make_tracker
 from reflow.tasks import report
 from reflow.tasks.context import context, mark_origin
@@ -84,7 +84,7 @@ def prepare(config_json: str, run_dir: str, run_id: str, resume: bool = False) -
     if previous is not None and previous.mlflow_run_id is not None:
         tracker.resume(previous.mlflow_run_id)
         mlflow_run_id = previous.mlflow_run_id
-        _LOGGED[run_dir] = tracker.logged_steps()
+        _LOGGED[run_dir] = {flat_name(k): steps for k, steps in tracker.logged_steps().items()}
     else:
         manifest = provenance.start_manifest(json.loads(config_json), run_id, model_dir,
                                              "path" if cfg.model.path else "tiny",
@@ -176,7 +176,7 @@ def track(run_dir: str, record: StepRecord) -> None:
     ctx = context(run_dir)
     logged = _LOGGED.get(run_dir, {})
     fresh = {k: v for k, v in record.metrics.items() if record.step not in logged.get(k, ())}
-    _TRACKERS[run_dir].log_metrics(fresh, step=record.step)  # a resumed step: only what was not logged yet
+    _TRACKERS[run_dir].log_metrics(mlflow_metrics(fresh), step=record.step)  # a resumed step: only what was not logged yet
     resumed = run_dir in _LOGGED
     if not (resumed and any(r.step == record.step for r in read_steps(run_dir))):  # else the killed attempt did
         append_step(run_dir, record)
@@ -320,7 +320,7 @@ def evaluate_snapshots(run_dir: str, snapshots: list[Snapshot]) -> int:
                     rec.metrics.update(done)
             rewrite_steps(run_dir, steps)
         fresh = {k: v for k, v in done.items() if k.startswith("eval_") and step not in logged.get(k, ())}
-        _TRACKERS[run_dir].log_metrics(fresh, step=step)
+        _TRACKERS[run_dir].log_metrics(mlflow_metrics(fresh), step=step)
         eval_snapshot_path(run_dir, step).unlink(missing_ok=True)
     trainer = actor(ctx.record.trainer, ctx.record.namespace)
     current = trainer.export_weights.remote()

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
+from reflow.storage.metrics import mlflow_name
+
 REPO = Path(__file__).resolve().parents[2]
 TOTAL_STEPS = 6
 
@@ -125,9 +127,9 @@ def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mo
     assert [r.info.run_id for r in runs] == [mlflow_run_id], note
     assert client.get_run(mlflow_run_id).info.status == "FINISHED"
     for key in ("loss", "reward_mean", "policy_version", "step_seconds", "trained_tokens"):
-        history = sorted(m.step for m in client.get_metric_history(mlflow_run_id, key))
+        history = sorted(m.step for m in client.get_metric_history(mlflow_run_id, mlflow_name(key)))
         assert history == list(range(TOTAL_STEPS)), (key, history, note)
-    versions = {m.step: m.value for m in client.get_metric_history(mlflow_run_id, "policy_version")}
+    versions = {m.step: m.value for m in client.get_metric_history(mlflow_run_id, mlflow_name("policy_version"))}
     assert versions == {s: float(s + 1) for s in range(TOTAL_STEPS)}, note
     assert _checkpointed(run_dir) == TOTAL_STEPS - 1
     assert (run_dir / "final_model" / "config.json").is_file()
@@ -159,7 +161,7 @@ def test_a_run_killed_during_start_up_resumes_from_its_config(tmp_path: Path, re
 
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
-    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [0, 1]
+    assert sorted(m.step for m in client.get_metric_history(run_id, mlflow_name("loss"))) == [0, 1]
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
@@ -191,6 +193,6 @@ def test_a_run_killed_during_its_final_evaluation_evaluates_every_snapshot_once(
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
     for key in ("eval_accuracy", "eval_seconds", "loss"):
-        history = sorted(m.step for m in client.get_metric_history(run_id, key))
+        history = sorted(m.step for m in client.get_metric_history(run_id, mlflow_name(key)))
         assert history == list(range(total)), (key, history)
     assert client.get_run(run_id).info.status == "FINISHED"

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
+from reflow.storage.metrics import mlflow_name
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -65,7 +67,7 @@ def test_smoke_run_end_to_end(tmp_path: Path) -> None:
     for key in ("reward_mean", "accuracy", "response_length_p99", "loss", "kl", "entropy", "grad_norm",
                 "generated_tokens_per_s", "trained_tokens_per_s", "step_seconds", "rollout_seconds",
                 "update_seconds", "sync_weights_seconds"):
-        assert len(client.get_metric_history(run_id, key)) == 3, key
+        assert len(client.get_metric_history(run_id, mlflow_name(key))) == 3, key
     assert run.data.params["rollout.prompts_per_step"] == str(cfg["rollout"]["prompts_per_step"])
     top = {a.path for a in client.list_artifacts(run_id)}
     assert {"config", "final_model", "delta", "curves.png"} <= top
@@ -184,8 +186,8 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
                     "replay_share", "reuse_mean", "fresh_samples", "stale_samples", "replayed_samples",
                     "concurrency_target", "generated_tokens_per_s", "trained_tokens_per_s",
                     "machine_cpu_idle_fraction"):
-            assert len(client.get_metric_history(run_id, key)) == n_steps[mode], (mode, key)
-        assert len(client.get_metric_history(run_id, "eval_accuracy")) == math.ceil(n_steps[mode] / 2)
+            assert len(client.get_metric_history(run_id, mlflow_name(key))) == n_steps[mode], (mode, key)
+        assert len(client.get_metric_history(run_id, mlflow_name("eval_accuracy"))) == math.ceil(n_steps[mode] / 2)
 
     # SortedRL rounds: whole groups per step, the cache snapshot per round in Delta, the bubble logged
     run_dir = by_mode["sorted_partial"]

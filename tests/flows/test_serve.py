@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
+from reflow.storage.metrics import mlflow_name
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -136,6 +138,6 @@ def test_launch_a_run_from_the_prefect_ui(tmp_path: Path) -> None:
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
     assert client.get_run(run_id).info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(run_id, "reward_mean")] == [0, 1]
+    assert [m.step for m in client.get_metric_history(run_id, mlflow_name("reward_mean"))] == [0, 1]
     with socket.socket() as sock:  # the server went down with reflow serve
         assert sock.connect_ex(("127.0.0.1", port)) != 0

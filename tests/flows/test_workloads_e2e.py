@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
+from reflow.storage.metrics import mlflow_name
+
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model.tiny.hidden_size=64", "model.tiny.num_layers=1", "model.tiny.intermediate_size=128",
          "model.tiny.sft_steps=10", "run.total_steps=3", "run.checkpoint_every_steps=3",
@@ -52,8 +54,8 @@ def _check_tables_and_metrics(out: Path, run_dir: Path, workload: str) -> None:
     run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
     assert client.get_run(run_id).info.status == "FINISHED"
     for key in ("reward_mean", "accuracy", "loss"):
-        assert len(client.get_metric_history(run_id, key)) == 3, key
-    assert client.get_metric_history(run_id, "eval_accuracy"), "held-out evaluation was logged"
+        assert len(client.get_metric_history(run_id, mlflow_name(key))) == 3, key
+    assert client.get_metric_history(run_id, mlflow_name("eval_accuracy")), "held-out evaluation was logged"
     assert client.get_run(run_id).data.params["env.kind"] == workload
 
 
