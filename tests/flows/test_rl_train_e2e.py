@@ -116,7 +116,7 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
     """`reflow bench` over sync, async, reflow and sorted_partial: real runs, bench.json, PNG, rules in the tables."""
     out = tmp_path / "bench"
     proc = _run(["bench", "--modes", "sync,async,reflow,sorted_partial", "--config", str(REPO / "configs/smoke.toml"),
-                 "--runs", str(out), "--set", "run.total_steps=6", "--set", "buffer.max_staleness_versions=1",
+                 "--output", str(out), "--set", "run.total_steps=6", "--set", "buffer.max_staleness_versions=1",
                  "--set", f'model.cache_dir="{tmp_path / "models"}"'], cwd=tmp_path, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
