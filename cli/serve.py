@@ -10,6 +10,7 @@ config field), ``evaluate/evaluate`` (a finished run's final model) and
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import socket
@@ -94,6 +95,22 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _runner():
+    """``prefect.serve``'s runner, stopped by SIGTERM as by Ctrl-C.
+
+    Prefect's own SIGTERM handler calls the coroutine ``Runner.stop`` without awaiting it ("coroutine
+    'Runner.astop' was never awaited") and exits from inside the signal handler; raising
+    KeyboardInterrupt instead unwinds ``Runner.start``, which pauses the deployments on its way out.
+    """
+    from prefect.runner import Runner
+
+    class _Runner(Runner):
+        def handle_sigterm(self, *args: object, **kwargs: object) -> None:
+            raise KeyboardInterrupt
+
+    return _Runner(pause_on_shutdown=True)
+
+
 def serve(host: str, port: int, api_url: str | None, out_dir: str) -> int:
     """Start or connect to the server, serve the deployments until interrupted."""
     server = None
@@ -108,12 +125,13 @@ def serve(host: str, port: int, api_url: str | None, out_dir: str) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: the server started here goes down with us
     ui = api_url.rstrip("/").removesuffix("/api")
     try:
-        from prefect import serve as prefect_serve
-
+        runner = _runner()
         served = deployments(out_dir)
+        for deployment in served:
+            runner.add_deployment(deployment)
         print(f"Prefect UI: {ui}  (deployments: {ui}/deployments)\nserving "
               + ", ".join(f"{d.flow_name}/{d.name}" for d in served) + "; Ctrl-C stops", flush=True)
-        prefect_serve(*served, print_starting_message=False)
+        asyncio.run(runner.start())
     except KeyboardInterrupt:
         print("stopped", flush=True)
     finally:

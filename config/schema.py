@@ -9,6 +9,7 @@ embedded CPU default. ``config.load`` reads files and overrides into it;
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -95,12 +96,14 @@ class EnvConfig(_Section):
                                                             "tool_calc: operands are 100..max.")
     format_reward: float = Field(0.0, ge=0, le=1, description="Reward for a well-formed answer line that is wrong.")
     eval_prompts: int = Field(128, ge=0, le=100_000, description="Held-out prompts for evaluation (0: none).")
-    data_path: str | None = Field(None, max_length=4096, description="math, code: the dataset file (.parquet or "
-                                  ".jsonl; math: verl/DAPO rows or question/answer rows; code: APPS rows). "
+    data_path: str | None = Field(None, max_length=4096, description="math, code, custom: the dataset (a "
+                                  ".parquet or .jsonl file, or a directory saved by datasets' save_to_disk, whose "
+                                  "'train' split a DatasetDict gives); math: verl/DAPO rows or question/answer rows; code: APPS rows). "
                                   "Unset: the built-in synthetic dataset (with reference solutions for the tiny "
                                   "policy's warm start).")
-    data_format: Literal["auto", "parquet", "jsonl"] = Field("auto", description="math, code: format of "
-                                                             "data_path and eval_data_path ('auto': by suffix).")
+    data_format: Literal["auto", "parquet", "jsonl", "hf_dataset"] = Field(
+        "auto", description="math, code, custom: format of data_path and eval_data_path ('auto': by suffix, or "
+        "'hf_dataset' for a save_to_disk directory).")
     eval_data_path: str | None = Field(None, max_length=4096, description="math, code: a separate eval file; "
                                        "unset: eval rows are held out of data_path (eval_holdout_share).")
     eval_holdout_share: float = Field(0.05, ge=0, le=0.5, description="math, code: share of data_path rows held "
@@ -141,14 +144,20 @@ class EnvConfig(_Section):
             path = getattr(self, name)
             if path and self.data_format == "auto" and dataset_format(path) is None:
                 raise ValueError(f"env.{name}: cannot tell the format of {path!r} from its suffix; use .parquet "
-                                 "or .jsonl, or set env.data_format")
+                                 "or .jsonl, a directory saved by datasets' save_to_disk, or set env.data_format")
         return self
 
 
-def dataset_format(path: str, declared: str = "auto") -> Literal["parquet", "jsonl"] | None:
-    """The format of a dataset file: ``declared`` unless 'auto', else by suffix (None: unknown)."""
-    if declared in ("parquet", "jsonl"):
+SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")  # what datasets' save_to_disk writes (Dataset, DatasetDict)
+
+
+def dataset_format(path: str, declared: str = "auto") -> Literal["parquet", "jsonl", "hf_dataset"] | None:
+    """The format of a dataset: ``declared`` unless 'auto', else by suffix or a save_to_disk directory (None:
+    unknown)."""
+    if declared in ("parquet", "jsonl", "hf_dataset"):
         return declared  # type: ignore[return-value]
+    if any((Path(path) / name).is_file() for name in SAVED_DATASET_FILES):
+        return "hf_dataset"
     lower = path.lower()
     if lower.endswith(".parquet"):
         return "parquet"

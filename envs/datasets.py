@@ -1,7 +1,9 @@
 """Dataset-backed workloads: read parquet/jsonl rows, render chat prompts, address them by index.
 
-``read_rows`` reads a file into plain dicts (parquet through pyarrow, jsonl one
-JSON object per line). A workload turns each raw row into a ``Row`` (chat
+``read_rows`` reads a dataset into plain dicts (parquet through pyarrow, jsonl
+one JSON object per line, a directory saved by ``datasets``' ``save_to_disk``
+through ``datasets.load_from_disk``: a Dataset, or a DatasetDict's ``train``
+split). A workload turns each raw row into a ``Row`` (chat
 messages, the answer the reward needs, an optional reference solution) and
 raises ``DatasetError`` naming the file, the row and the column when a row is
 not in the expected format.
@@ -72,8 +74,10 @@ RowParser = Callable[[dict[str, Any], str], Row]  # (raw row, "file row N" for m
 
 
 def read_rows(path: str, fmt: str) -> list[dict[str, Any]]:
-    """All rows of a parquet or jsonl file as dicts. Raises DatasetError for a missing or unreadable file."""
+    """All rows of a parquet or jsonl file, or a saved dataset, as dicts. DatasetError if missing or unreadable."""
     p = Path(path)
+    if fmt == "hf_dataset":
+        return _saved_dataset_rows(p)
     if not p.is_file():
         raise DatasetError(f"{path}: no such file")
     if fmt == "parquet":
@@ -96,6 +100,24 @@ def read_rows(path: str, fmt: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _saved_dataset_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a directory written by ``Dataset.save_to_disk`` (or a DatasetDict's ``train`` split)."""
+    if not path.is_dir():
+        raise DatasetError(f"{path}: no such directory (a dataset saved with save_to_disk)")
+    from datasets import DatasetDict, load_from_disk  # about 1 s: only for this format
+
+    try:
+        dataset = load_from_disk(str(path))
+    except Exception as exc:  # datasets raises several types for a directory it cannot read
+        raise DatasetError(f"{path}: not a dataset saved with save_to_disk ({exc})") from None
+    if isinstance(dataset, DatasetDict):
+        if "train" not in dataset:
+            raise DatasetError(f"{path}: a DatasetDict without a 'train' split (has: {', '.join(dataset)}); point "
+                               "env.data_path at one split's directory")
+        dataset = dataset["train"]
+    return dataset.to_list()
+
+
 def require_columns(row: dict[str, Any], columns: Sequence[str], where: str) -> None:
     """Raise DatasetError naming the first of ``columns`` missing from ``row``."""
     for column in columns:
@@ -115,7 +137,8 @@ def load_file(path: str, declared_format: str, parser: RowParser) -> tuple[Row, 
     """Parsed rows of a dataset file (cached per process by path, format and parser)."""
     fmt = dataset_format(path, declared_format)
     if fmt is None:
-        raise DatasetError(f"{path}: unknown format (use .parquet or .jsonl, or set env.data_format)")
+        raise DatasetError(f"{path}: unknown format (use .parquet or .jsonl, a save_to_disk directory, or set "
+                           "env.data_format)")
     return _parsed_file(str(Path(path).resolve()), fmt, parser)
 
 

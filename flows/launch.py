@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_client, get_run_logger
+from prefect.context import FlowRunContext
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from reflow.config.load import config_to_json, load_config
@@ -77,6 +78,8 @@ def train(experiment: ExperimentFile = ExperimentFile("smoke"), settings: Settin
     run_dir = str((Path(cfg.run.out_dir) / run_id).resolve())
     get_run_logger().info("run %s: mode=%s steps=%d, run directory %s", run_id, cfg.mode.kind,
                           cfg.run.total_steps, run_dir)
+    with get_client(sync_client=True) as client:  # the UI lists the launch under the run's id, as its subflow
+        client.update_flow_run(flow_run_id=FlowRunContext.get().flow_run.id, name=f"train {run_id}")
     outcome = rl_train.with_options(log_prints=True)(config_json=config_to_json(cfg), run_dir=run_dir,
                                                      run_id=run_id)
     return {"run_dir": outcome.run_dir, "mlflow_run_id": outcome.mlflow_run_id, "mlflow_ui": outcome.tracking_ui,

@@ -49,7 +49,7 @@ from reflow.tasks.update import sync_weights, update
 STREAMING = ("async", "reflow")
 
 
-@flow(name="rl_train", log_prints=False)
+@flow(name="rl_train", flow_run_name="{run_id}", log_prints=False)
 def rl_train(config_json: str, run_dir: str, run_id: str, resume: bool = False) -> RunOutcome:
     """Train a policy with GRPO as the config says; returns where the results are.
 

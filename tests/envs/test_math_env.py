@@ -147,3 +147,25 @@ def test_bad_inputs_name_file_row_and_column(tmp_path: Path) -> None:
     bad_messages.write_text(json.dumps({"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}) + "\n")
     with pytest.raises(DatasetError, match="'prompt' has a message without"):
         _env(data_path=str(bad_messages))
+
+
+def test_a_dataset_saved_with_save_to_disk_loads_like_its_parquet(tmp_path: Path) -> None:
+    """A Hugging Face ``datasets`` directory (Dataset or DatasetDict's train split) gives the parquet's rows."""
+    from datasets import Dataset, DatasetDict
+
+    rows = pq.read_table(FIXTURES / "math_dapo.parquet").to_pylist()
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:3])}).save_to_disk(
+        str(tmp_path / "dict"))
+    expected = _env(data_path=str(FIXTURES / "math_dapo.parquet"), eval_holdout_share=0.3)
+    for path in (tmp_path / "one", tmp_path / "dict", tmp_path / "dict" / "train"):
+        env = _env(data_path=str(path), eval_holdout_share=0.3)  # data_format "auto" finds the directory's kind
+        assert env.prompts("train", 0, 7) == expected.prompts("train", 0, 7), path
+        assert env.prompts("eval", 0, 3) == expected.prompts("eval", 0, 3), path
+    split = _env(data_path=str(tmp_path / "dict" / "train"), eval_data_path=str(tmp_path / "dict" / "test"))
+    assert len({p.text for p in split.prompts("eval", 0, 3)}) == 3
+    DatasetDict({"validation": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "no-train"))
+    with pytest.raises(DatasetError, match="without a 'train' split \\(has: validation\\)"):
+        _env(data_path=str(tmp_path / "no-train")).prompts("train", 0, 1)
+    with pytest.raises(DatasetError, match="no such directory"):
+        _env(data_path=str(tmp_path / "gone"), data_format="hf_dataset").prompts("train", 0, 1)

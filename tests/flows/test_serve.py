@@ -18,6 +18,8 @@ from deltalake import DeltaTable
 from reflow.storage.metrics import mlflow_name
 
 REPO = Path(__file__).resolve().parents[2]
+# Screenshots of the browser test: the form, the run's page, its task runs (kept after the test; gitignored).
+ARTIFACTS = Path(os.environ.get("REFLOW_TEST_ARTIFACTS", REPO / ".test-artifacts")) / "prefect-ui"
 
 
 def _free_port() -> int:
@@ -102,6 +104,8 @@ def test_launch_a_run_from_the_prefect_ui(tmp_path: Path) -> None:
             engine.locator("button.p-select-button__control").click()
             page.keyboard.press("ArrowDown")  # opens the option list
             page.get_by_role("option", name="transformers", exact=True).click()
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=ARTIFACTS / "1-train-form.png", full_page=True)
             page.get_by_role("button", name="Submit", exact=True).click()
             # the new run in the deployment's Runs tab, then its page: wait for Completed
             page.wait_for_url(re.compile(r".*/deployments/deployment/.*"))
@@ -109,14 +113,17 @@ def test_launch_a_run_from_the_prefect_ui(tmp_path: Path) -> None:
             page.wait_for_url(re.compile(r".*/runs/flow-run/.*"))
             page.locator(".state-badge", has_text="Completed").first.wait_for(timeout=300_000)
             _shown(page, "mode=sync steps=2")  # the Logs tab
+            page.screenshot(path=ARTIFACTS / "2-train-run.png", full_page=True)
             # the training flow is a subflow run: its task runs and progress lines
             page.get_by_text("Subflow Runs", exact=True).click()
             page.locator("a[href*='/runs/flow-run/']").last.click()
             page.get_by_text("Task Runs", exact=True).click()
             for stage in ("prepare", "rollout", "update", "finalize"):
                 page.get_by_role("link", name=re.compile(f"^{stage}-")).first.wait_for(timeout=30_000)
+            page.screenshot(path=ARTIFACTS / "3-rl_train-task-runs.png", full_page=True)
             page.get_by_text("Logs", exact=True).click()
             _shown(page, re.compile(r"step +2/2"))
+            page.screenshot(path=ARTIFACTS / "4-rl_train-logs.png", full_page=True)
             browser.close()
     finally:
         os.killpg(server.pid, signal.SIGTERM)
