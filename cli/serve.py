@@ -150,7 +150,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.api_url and port_in_use(args.host, args.port):
         raise InputError(f"port {args.port} on {args.host} is already in use: pass --port with a free port, or "
                          f"--api-url http://{args.host}:{args.port}/api to use a Prefect server already running there")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")  # flow-run logs (progress lines) go to the UI
+    # flow-run logs (progress lines) go to the UI, even when the caller's environment quietened Prefect
+    os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
     quiet_environment(False)
     try:
         return serve(args.host, args.port, args.api_url, str(Path(args.runs).resolve()))

@@ -29,7 +29,8 @@ def _free_port() -> int:
 
 
 def _serve(port: int, cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(cwd / "prefect")}
+    # an environment as quiet as a `reflow run` leaves it (in-process tests before this one set it)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(cwd / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}
     env.pop("PREFECT_API_URL", None)
     return subprocess.Popen([sys.executable, "-m", "reflow.cli.main", "serve", "--port", str(port),
                              "--runs", str(cwd / "runs")], cwd=cwd, env=env, stdout=subprocess.PIPE,
