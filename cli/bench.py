@@ -72,8 +72,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     start_prefect_api()
     from reflow.flows.bench import bench_flow  # Prefect (about 2 s) only when a command runs a flow
 
-    bench_flow(config=args.config, overrides=list(args.overrides), modes=modes, seeds=seeds, out=str(out.resolve()),
-               target=args.target_accuracy, smooth_evals=args.smooth_evals, equal_data=not args.equal_steps)
+    bench_flow(config=args.config, set=list(args.overrides), modes=modes, seeds=seeds, output=str(out.resolve()),
+               target_accuracy=args.target_accuracy, smooth_evals=args.smooth_evals, equal_steps=args.equal_steps)
     return 0
 
 

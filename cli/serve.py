@@ -2,15 +2,16 @@
 
 Starts ``prefect server start`` on ``host:port`` (or uses the server at
 ``api_url``), then serves three deployments from this process, each flow run
-in a child process: ``train/train`` (the form: an experiment file and any
-config field), ``evaluate/evaluate`` (a finished run's final model) and
-``bench/bench`` (the mode comparison).
+in a child process: ``train/<experiment>`` for each ``configs/*.toml`` (the
+form: every config field, prefilled from that file), ``evaluate/evaluate`` (a
+finished run's final model) and ``bench/modes`` (the mode comparison).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -72,23 +73,41 @@ def start_server(host: str, port: int) -> subprocess.Popen:
 
 
 def deployments(out_dir: str) -> list:
-    """The served deployments (imported here: ``PREFECT_API_URL`` must be set first)."""
+    """The served deployments (imported here: ``PREFECT_API_URL`` must be set first).
+
+    ``train/<name>`` for each experiment file ``configs/<name>.toml`` (its form prefilled with the file's
+    resolved config; ``train/default`` is ``reflow run``'s default), ``evaluate/evaluate`` and ``bench/modes``,
+    whose parameters are ``reflow evaluate``'s and ``reflow bench``'s, with runs and output under ``out_dir``.
+    """
     from prefect.deployments.runner import EntrypointType
 
     from reflow.flows.bench import bench_flow
-    from reflow.flows.launch import CONFIGS, evaluate_run, train
+    from reflow.flows.launch import (
+        CONFIGS,
+        evaluate_run,
+        experiment_files,
+        experiment_summary,
+        form_values,
+        train_flow,
+    )
 
     module = EntrypointType.MODULE_PATH
-    bench_defaults = {"config": str(CONFIGS / "bench.toml"), "overrides": [], "seeds": [0],
-                      "modes": ["sync", "one_step_off", "async", "reflow", "sorted_on_policy", "sorted_partial"],
-                      "out": os.path.join(out_dir, "bench"), "target": None, "smooth_evals": 3}
-    return [train.to_deployment(name="train", entrypoint_type=module, tags=["reflow"],
-                                parameters={"settings": {"run": {"out_dir": out_dir}}},
-                                description="Train a policy (choose an experiment file, fill in any field)."),
-            evaluate_run.to_deployment(name="evaluate", entrypoint_type=module, tags=["reflow"],
-                                       description="Held-out accuracy of a finished run's final model."),
-            bench_flow.to_deployment(name="bench", entrypoint_type=module, tags=["reflow"], parameters=bench_defaults,
-                                     description="The same workload under each mode; bench.json and bench.png.")]
+    runs = [f"run.out_dir={json.dumps(out_dir)}"]
+    served = [train_flow.to_deployment(name=name, entrypoint_type=module, tags=["reflow"],
+                                       parameters=form_values(path, runs),
+                                       description=f"{experiment_summary(path)} (configs/{name}.toml; every field "
+                                                   f"can be changed in the form)")
+              for name, path in experiment_files().items()]
+    bench = {"config": str(CONFIGS / "bench.toml"), "set": [], "seeds": [0], "output": os.path.join(out_dir, "bench"),
+             "modes": ["sync", "one_step_off", "async", "reflow", "sorted_on_policy", "sorted_partial"],
+             "target_accuracy": None, "smooth_evals": 3, "equal_steps": False}
+    return served + [
+        evaluate_run.to_deployment(name="evaluate", entrypoint_type=module, tags=["reflow"], parameters={"runs": out_dir},
+                                   description="Held-out accuracy of a finished run's final model, as "
+                                               "`reflow evaluate RUN`: a run id under runs, or a run directory."),
+        bench_flow.to_deployment(name="modes", entrypoint_type=module, tags=["reflow"], parameters=bench,
+                                 description="The same workload under each mode, as `reflow bench`: "
+                                             "bench.json and bench.png in the output folder.")]
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -10,22 +10,7 @@ from reflow.cli.runtime import preflight, quiet_environment, start_prefect_api
 from reflow.config.load import InputError, config_to_json, load_config
 from reflow.config.reference import reference_markdown
 from reflow.config.schema import ReflowConfig
-from reflow.infra.run import new_run_id
-
-
-def find_run(run: str, out: str | None) -> Path:
-    """The directory of run ``run`` (a path, or a run id under ``out``); InputError if it is not a run.
-
-    A run's directory holds ``config.json`` from its first moment; ``run.json``
-    follows once its workers have started, so a run killed during start-up
-    has only the config, and is resumed from it.
-    """
-    candidates = [Path(run)] + ([Path(out) / run] if out and not Path(run).is_absolute() else [])
-    for path in candidates:
-        if (path / "config.json").is_file():
-            return path.resolve()
-    raise InputError(f"{run!r} is not a run directory (no config.json in "
-                     f"{' or '.join(str(p) for p in candidates)})")
+from reflow.infra.run import find_finished_run, find_run, new_run_id
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -42,7 +27,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     start_prefect_api()
     from reflow.flows.rl_train import rl_train  # Prefect (about 2 s) only when a command runs a flow
 
-    outcome = rl_train(config_json=config_to_json(cfg), run_dir=str(run_dir), run_id=run_id, resume=True)
+    outcome = rl_train(config=cfg, run_dir=str(run_dir), run_id=run_id, resume=True)
     print_outcome(outcome)
     return 0
 
@@ -79,7 +64,7 @@ def launch(cfg: ReflowConfig):
     start_prefect_api()
     from reflow.flows.rl_train import rl_train  # Prefect (about 2 s) only when a command runs a flow
 
-    outcome = rl_train(config_json=config_to_json(cfg), run_dir=run_dir, run_id=run_id)
+    outcome = rl_train(config=cfg, run_dir=run_dir, run_id=run_id)
     print_outcome(outcome)
     return outcome
 
@@ -107,13 +92,12 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Held-out accuracy of a finished run's final model, on fresh workers (the UI's evaluate flow)."""
-    run_dir = find_run(args.run, args.runs)
-    if not (run_dir / "final_model" / "config.json").is_file() or not (run_dir / "run.json").is_file():
-        raise InputError(f"{run_dir} has no final model (final_model/config.json): the run did not finish; "
-                         "`reflow resume` it first")
+    run_dir = find_finished_run(args.run, args.runs)
     quiet_environment(args.verbose)
     start_prefect_api()
     from reflow.flows.launch import evaluate_run  # Prefect (about 2 s) only when a command runs a flow
 
-    evaluate_run(run_dir=str(run_dir))
+    result = evaluate_run(run=args.run, runs=args.runs)
+    print(f"{run_dir}: held-out accuracy {result['accuracy']:.3f}, reward mean {result['reward_mean']:.3f}, "
+          f"mean response length {result['response_length_mean']:.1f} tokens", flush=True)
     return 0

@@ -83,6 +83,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set_dotted(tree, key, value)
     if overrides:
         source += " + overrides"
+    return validate_config(tree, source)
+
+
+def validate_config(tree: dict[str, Any], source: str) -> ReflowConfig:
+    """``tree`` (sections of fields) as a config; ConfigError naming each wrong field and ``source``."""
     try:
         return ReflowConfig.model_validate(tree)
     except ValidationError as exc:

@@ -21,7 +21,7 @@ class _Section(BaseModel):
 
 class RunConfig(_Section):
     name: str = Field("default", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9_.-]+$",
-                      description="Run name; the run directory is <out_dir>/<name>-<timestamp>.")
+                      description="Run name; the run directory is run.out_dir/NAME-TIMESTAMP.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for prompts, sampling and init.")
     out_dir: str = Field("runs", description="Directory that holds run directories.")
     total_steps: int = Field(100, ge=1, le=1_000_000, description="Trainer updates to run.")
@@ -274,8 +274,8 @@ class ToolsConfig(_Section):
     """Multi-turn tool use (ReTool-style): the policy's code blocks run in the sandbox between turns."""
 
     max_calls: int = Field(0, ge=0, le=64, description="Most tool calls per response (0: single-turn, no "
-                           "tools). Generation stops after each '</code>'; the block runs and its output is "
-                           "appended inside <output>...</output> (masked out of the loss).")
+                           "tools). Generation stops after each code block's closing tag; the block runs and "
+                           "its output is appended inside an output tag pair (masked out of the loss).")
     max_output_chars: int = Field(256, ge=8, le=65_536, description="Tool output kept per call (longer output "
                                   "is cut and ends with '...'); it counts against rollout.max_response_tokens.")
     timeout_s: float = Field(5.0, gt=0, le=600, description="CPU-time limit of one call (wall clock: 1 s more).")
@@ -354,7 +354,7 @@ class TrackingConfig(_Section):
 
 class StorageConfig(_Section):
     root: str | None = Field(None, description="Where the Delta tables live (local path or s3://, gs://, "
-                                               "az:// URI); unset: <run dir>/tables.")
+                                               "az:// URI); unset: the run directory's tables/ folder.")
 
 
 class EvalConfig(_Section):

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -58,10 +59,29 @@ def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, o
     return str(dirs[0])
 
 
+Mode = Literal["sync", "one_step_off", "async", "reflow", "sorted_on_policy", "sorted_partial"]
+
+
 @flow(name="bench", log_prints=False)
-def bench_flow(config: str | None, overrides: list[str], modes: list[str], seeds: list[int], out: str,
-               target: float | None, smooth_evals: int = 3, equal_data: bool = True) -> dict:
-    """All modes x seeds; writes ``out/bench.json`` and ``out/bench.png``; returns the summary."""
+def bench_flow(config: str | None, set: list[str], modes: list[Mode], seeds: list[int], output: str,
+               target_accuracy: float | None = None, smooth_evals: int = 3, equal_steps: bool = False) -> dict:
+    """All modes x seeds; writes ``output/bench.json`` and ``output/bench.png``; returns the summary.
+
+    The parameters are ``reflow bench``'s flags.
+
+    Args:
+        config: the experiment file (--config).
+        set: config fields changed for every mode, KEY=VALUE with a TOML value (--set), e.g. run.total_steps=20.
+        modes: the modes to compare (--modes); sorted_* are sync mode with SortedRL rounds.
+        seeds: one run per mode and seed (--seeds).
+        output: the folder bench.json, bench.png and the runs are written to (--output).
+        target_accuracy: held-out accuracy timed to (--target-accuracy); empty: the warm start plus 75% of
+            sync's gain, per seed.
+        smooth_evals: evaluations averaged when finding the target's crossing (--smooth-evals).
+        equal_steps: give every mode run.total_steps steps instead of the same number of new groups
+            (--equal-steps).
+    """
+    overrides, out, target, equal_data = set, output, target_accuracy, not equal_steps
     Path(out).mkdir(parents=True, exist_ok=True)
     results: list[mode_bench.ModeResult] = []
     for seed in seeds:

@@ -1,95 +1,132 @@
 """Flows a person launches from the Prefect UI (``reflow serve``): train, evaluate a run.
 
-Their parameters are what the UI turns into a form: the TOML experiment
-(one of ``configs/*.toml``) and ``settings``, a tree generated from the config
-model in which every field is optional; an empty field keeps the experiment
-file's value (or the built-in default, given in the field's description).
+``train`` takes the config as its parameters, one per section in the order a
+person fills them in (``mode`` first, then ``run``, ``rollout``, ``train`` ...),
+each a typed sub-form of the section's fields. ``reflow serve`` serves it once
+per experiment file (``configs/*.toml``), prefilled with that file's resolved
+values, so the form opens on real defaults and ``train/default`` is what
+``reflow run`` runs with no ``--config``.
 """
 
 from __future__ import annotations
 
-import enum
-import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, get_args, get_origin
+from typing import Any
 
 from prefect import flow, get_client, get_run_logger
 from prefect.context import FlowRunContext
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel
 
-from reflow.config.load import config_to_json, load_config
-from reflow.config.schema import ReflowConfig
+from reflow.config.load import load_config, validate_config
+from reflow.config.schema import (
+    BufferConfig,
+    ConcurrencyConfig,
+    EnvConfig,
+    EvalConfig,
+    ModeConfig,
+    ModelConfig,
+    ReflowConfig,
+    ResourcesConfig,
+    RolloutConfig,
+    RunConfig,
+    StorageConfig,
+    ToolsConfig,
+    TrackingConfig,
+    TrainConfig,
+)
 from reflow.flows.rl_train import rl_train
-from reflow.infra.run import load_config_of, new_run_id
+from reflow.infra.run import find_finished_run, load_config_of, new_run_id
 from reflow.tasks.lifecycle import prepare_eval, teardown
 from reflow.tasks.rollout import evaluate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
-# The experiment files a form offers (a drop-down in the UI).
-ExperimentFile = enum.Enum("ExperimentFile", {p.stem: p.stem for p in sorted(CONFIGS.glob("*.toml"))}, type=str)
+# The train form's sections, in the order of ``train``'s parameters (every section of the config).
+SECTIONS = ("mode", "run", "rollout", "train", "env", "model", "buffer", "eval", "concurrency", "tools",
+            "resources", "tracking", "storage")
+assert sorted(SECTIONS) == sorted(ReflowConfig.model_fields), "the train form must offer every config section"
 
 
-def _optional_tree(model: type[BaseModel], name: str) -> type[BaseModel]:
-    """``model`` with every leaf optional (default None), descriptions and bounds kept."""
-    fields: dict[str, Any] = {}
-    for key, info in model.model_fields.items():
-        ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            sub = _optional_tree(ann, f"{name}{key.title()}")
-            fields[key] = (sub, Field(default_factory=sub, description=info.description))
-        else:
-            default = info.get_default(call_default_factory=True)
-            if get_origin(ann) is Literal:  # a plain enum with null: the UI's anyOf editor drops enum options
-                optional: Any = Literal[(*get_args(ann), None)]
-            else:
-                optional = Optional[Annotated[ann, *info.metadata] if info.metadata else ann]
-            fields[key] = (optional, Field(None, description=f"{info.description} "
-                                                  f"(empty: the experiment file's value; built-in default "
-                                                  f"{json.dumps(default)})"))
-    return create_model(name, __config__=ConfigDict(extra="forbid"), **fields)
+def experiment_files() -> dict[str, Path]:
+    """The experiment files a deployment is served for, by name (``configs/<name>.toml``)."""
+    return {p.stem: p for p in sorted(CONFIGS.glob("*.toml"))}
 
 
-Settings = _optional_tree(ReflowConfig, "Settings")
+def experiment_summary(path: Path) -> str:
+    """The leading comment of an experiment file (what it is for), as one paragraph."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    return " ".join(lines)
 
 
-def settings_overrides(settings: BaseModel | dict[str, Any], prefix: str = "") -> list[str]:
-    """The set fields of ``settings`` as ``key.path=<TOML literal>`` overrides."""
-    tree = settings.model_dump() if isinstance(settings, BaseModel) else settings
-    out: list[str] = []
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out += settings_overrides(value, f"{prefix}{key}.")
-        elif value is not None:
-            out.append(f"{prefix}{key}={json.dumps(value)}")
-    return out
+def form_values(path: Path | None, run_overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """The train form's parameters prefilled from an experiment file (None: the built-in defaults)."""
+    cfg = load_config(path, run_overrides)
+    return {name: getattr(cfg, name).model_dump(mode="json") for name in SECTIONS}
 
 
-def resolve(experiment: str, settings: BaseModel | dict[str, Any]) -> ReflowConfig:
-    """The config of ``configs/<experiment>.toml`` with the form's fields applied (ConfigError if invalid)."""
-    return load_config(CONFIGS / f"{ExperimentFile(experiment).value}.toml", settings_overrides(settings))
+def form_config(sections: dict[str, BaseModel]) -> ReflowConfig:
+    """The config a filled-in train form stands for; ConfigError naming the fields that do not fit together.
+
+    A field left at its built-in default counts as not given, as in a TOML file that omits it, so the
+    workload's own defaults apply: the default form with env.kind switched to math runs as
+    ``reflow run --set env.kind=math`` does.
+    """
+    return validate_config({name: section.model_dump(exclude_defaults=True) for name, section in sections.items()},
+                           "the train form")
 
 
 @flow(name="train", log_prints=True)
-def train(experiment: ExperimentFile = ExperimentFile("smoke"), settings: Settings = Settings()) -> dict[str, Any]:
-    """Train a policy: the chosen experiment file, with any field of ``settings`` that is filled in."""
-    cfg = resolve(experiment, settings)
+def train_flow(mode: ModeConfig = ModeConfig(), run: RunConfig = RunConfig(),
+               rollout: RolloutConfig = RolloutConfig(), train: TrainConfig = TrainConfig(),
+               env: EnvConfig = EnvConfig(), model: ModelConfig = ModelConfig(), buffer: BufferConfig = BufferConfig(),
+               eval: EvalConfig = EvalConfig(), concurrency: ConcurrencyConfig = ConcurrencyConfig(),
+               tools: ToolsConfig = ToolsConfig(), resources: ResourcesConfig = ResourcesConfig(),
+               tracking: TrackingConfig = TrackingConfig(), storage: StorageConfig = StorageConfig()) -> dict[str, Any]:
+    """Train a policy with the config the form holds (each section's fields are checked together here).
+
+    Args:
+        mode: how generation and training overlap: sync, one_step_off, async or reflow.
+        run: the run's name, seed, length, checkpoints and the folder its directory goes in.
+        rollout: generation: engine, batch shape, sampling, SortedRL scheduling.
+        train: the GRPO update: learning rate, clipping, loss, KL, advantages.
+        env: the workload (arith, math, code, tool_calc or custom) and its data and reward.
+        model: the policy: a model directory or Hub id, or the tiny built-in one.
+        buffer: the staleness-bounded replay buffer (async and reflow).
+        eval: held-out evaluation.
+        concurrency: in-flight generation requests per engine (streaming modes).
+        tools: multi-turn tool calls (tool_calc).
+        resources: Ray: cluster address, CPUs and GPUs per actor, threads.
+        tracking: MLflow.
+        storage: where the Delta tables live.
+    """
+    sections = {"mode": mode, "run": run, "rollout": rollout, "train": train, "env": env, "model": model,
+                "buffer": buffer, "eval": eval, "concurrency": concurrency, "tools": tools, "resources": resources,
+                "tracking": tracking, "storage": storage}
+    cfg = form_config(sections)
     run_id = new_run_id(cfg)
     run_dir = str((Path(cfg.run.out_dir) / run_id).resolve())
     get_run_logger().info("run %s: mode=%s steps=%d, run directory %s", run_id, cfg.mode.kind,
                           cfg.run.total_steps, run_dir)
     with get_client(sync_client=True) as client:  # the UI lists the launch under the run's id, as its subflow
         client.update_flow_run(flow_run_id=FlowRunContext.get().flow_run.id, name=f"train {run_id}")
-    outcome = rl_train.with_options(log_prints=True)(config_json=config_to_json(cfg), run_dir=run_dir,
-                                                     run_id=run_id)
+    outcome = rl_train.with_options(log_prints=True)(config=cfg, run_dir=run_dir, run_id=run_id)
     return {"run_dir": outcome.run_dir, "mlflow_run_id": outcome.mlflow_run_id, "mlflow_ui": outcome.tracking_ui,
             "delta_tables": outcome.store_root, "final_model": outcome.final_model}
 
 
-@flow(name="evaluate", log_prints=True)
-def evaluate_run(run_dir: str) -> dict[str, float]:
-    """Held-out accuracy of a finished run's final model (``<run_dir>/final_model``), on fresh workers."""
-    run_dir = str(Path(run_dir).resolve())
+@flow(name="evaluate", flow_run_name="evaluate {run}", log_prints=True)
+def evaluate_run(run: str, runs: str = "runs") -> dict[str, float]:
+    """Held-out accuracy of a finished run's final model, on fresh workers (as ``reflow evaluate RUN``).
+
+    Args:
+        run: a run id under runs (the name of its directory, e.g. smoke-20261204-101500-123), or a run directory.
+        runs: the folder of run directories.
+    """
+    run_dir = str(find_finished_run(run, runs))
     failed = True
     try:
         prepare_eval(run_dir)

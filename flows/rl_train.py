@@ -50,15 +50,16 @@ STREAMING = ("async", "reflow")
 
 
 @flow(name="rl_train", flow_run_name="{run_id}", log_prints=False)
-def rl_train(config_json: str, run_dir: str, run_id: str, resume: bool = False) -> RunOutcome:
+def rl_train(config: ReflowConfig, run_dir: str, run_id: str, resume: bool = False) -> RunOutcome:
     """Train a policy with GRPO as the config says; returns where the results are.
 
-    ``resume``: continue the run in ``run_dir`` from its newest checkpoint.
+    ``config`` is a parameter of the flow run as a tree of sections (the Prefect UI shows it field by
+    field); ``resume``: continue the run in ``run_dir`` from its newest checkpoint.
     """
-    cfg = ReflowConfig.model_validate_json(config_json)
+    cfg = config
     failed = True
     try:
-        prepare(config_json, run_dir, run_id, resume)
+        prepare(cfg, run_dir, run_id, resume)
         first = restore(run_dir).first_step if resume else 0
         baseline = recorded_baseline(run_dir) if first else None
         if baseline is None and cfg.env.eval_prompts:

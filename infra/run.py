@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from reflow.config.load import config_to_json
+from reflow.config.load import InputError, config_to_json
 from reflow.config.schema import ReflowConfig
 from reflow.storage.metrics import StepRecord
 
@@ -40,6 +40,30 @@ def new_run_id(cfg: ReflowConfig) -> str:
     """``<name>-<UTC timestamp>`` (also the run directory's name)."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S-%f")[:-3]
     return f"{cfg.run.name}-{stamp}"
+
+
+def find_run(run: str, runs: str | None) -> Path:
+    """The directory of run ``run`` (a path, or a run id under ``runs``); InputError if it is not a run.
+
+    A run's directory holds ``config.json`` from its first moment; ``run.json``
+    follows once its workers have started, so a run killed during start-up
+    has only the config, and is resumed from it.
+    """
+    candidates = [Path(run)] + ([Path(runs) / run] if runs and not Path(run).is_absolute() else [])
+    for path in candidates:
+        if (path / "config.json").is_file():
+            return path.resolve()
+    raise InputError(f"{run!r} is not a run directory (no config.json in "
+                     f"{' or '.join(str(p) for p in candidates)})")
+
+
+def find_finished_run(run: str, runs: str | None) -> Path:
+    """As ``find_run``, for a run that finished (has its final model); InputError otherwise."""
+    run_dir = find_run(run, runs)
+    if not (run_dir / "final_model" / "config.json").is_file() or not (run_dir / "run.json").is_file():
+        raise InputError(f"{run_dir} has no final model (final_model/config.json): the run did not finish; "
+                         "`reflow resume` it first")
+    return run_dir
 
 
 def default_tracking_uri(cfg: ReflowConfig) -> str:

@@ -57,13 +57,12 @@ _LOGGED: dict[str, dict[str, set[int]]] = {}
 
 
 @task(name="prepare", cache_policy=NO_CACHE)
-def prepare(config_json: str, run_dir: str, run_id: str, resume: bool = False) -> str:
+def prepare(cfg: ReflowConfig, run_dir: str, run_id: str, resume: bool = False) -> str:
     """Create the run directory, build/load the model, start workers and the tracker.
 
     ``resume``: the run directory exists (a killed attempt made it); keep its
     config and record, and reopen its MLflow run instead of creating one.
     """
-    cfg = ReflowConfig.model_validate_json(config_json)
     # a run killed during start-up has no record yet: it starts again in its directory
     previous = load_record(run_dir) if resume and (Path(run_dir) / "run.json").is_file() else None
     Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -86,7 +85,7 @@ def prepare(config_json: str, run_dir: str, run_id: str, resume: bool = False) -
         mlflow_run_id = previous.mlflow_run_id
         _LOGGED[run_dir] = {flat_name(k): steps for k, steps in tracker.logged_steps().items()}
     else:
-        manifest = provenance.start_manifest(json.loads(config_json), run_id, model_dir,
+        manifest = provenance.start_manifest(cfg.model_dump(mode="json"), run_id, model_dir,
                                              "path" if cfg.model.path else "tiny",
                                              DeltaTrajectoryStore(store_root).table_versions())
         mlflow_run_id = tracker.start(run_id, flat_params(cfg), _provenance_tags(cfg, run_dir, manifest))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -108,6 +109,10 @@ def test_transformers_engine_one_step_off_end_to_end(tmp_path: Path) -> None:
     usage = DeltaTable(str(run_dir / "tables/usage")).to_pyarrow_dataset().to_table()
     staleness = dict(zip(usage["trainer_step"].to_pylist(), usage["staleness"].to_pylist()))
     assert staleness == {0: 0, 1: 1, 2: 1}
+    # the finished run's final model, evaluated again by its run id (the UI's evaluate form does the same)
+    proc = _run(["evaluate", run_dir.name, "--runs", str(out)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(rf"{re.escape(str(run_dir))}: held-out accuracy [01][.][0-9]{{3}}, reward mean", proc.stdout)
 
 
 @pytest.mark.slow
