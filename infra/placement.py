@@ -30,11 +30,17 @@ RESIDENT_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_TRIM_THRESHOLD_": str(1 << 4
                    "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 
+# Object-store endpoints and credentials (delta-rs reads them from the environment, as boto3 and polars do).
+STORAGE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_")
+
+
 def worker_env(threads: int) -> dict[str, str]:
-    """Environment of the engine and trainer actors: quiet logs, ``threads`` torch threads, ``RESIDENT_MALLOC``."""
+    """Environment of the engine and trainer actors: quiet logs, ``threads`` torch threads, ``RESIDENT_MALLOC``,
+    and the driver's object-store settings (``STORAGE_ENV_PREFIXES``), which a cluster's other nodes lack."""
+    storage = {key: value for key, value in os.environ.items() if key.startswith(STORAGE_ENV_PREFIXES)}
     return {"OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING",
             "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1",
-            "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", **RESIDENT_MALLOC}
+            "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", **RESIDENT_MALLOC, **storage}
 
 
 @dataclass(frozen=True)

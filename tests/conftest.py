@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -50,3 +51,60 @@ def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("random_model")
     save_model_dir(model, out)
     return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real S3-compatible server on this machine (moto's server mode, its own process) with a bucket ``reflow``.
+
+    Yields the environment a client needs (endpoint, credentials, region, plain HTTP): delta-rs, polars
+    and boto3 read it, and a subprocess given it reaches the same server. (In this process's own thread
+    the server would stall: a delta-rs call that holds the GIL waits on it.)
+    """
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import boto3
+
+    port = free_port()
+    log = (tmp_path_factory.mktemp("s3") / "moto.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"moto's S3 server did not start on port {port} (see {log.name})")
+            time.sleep(0.2)
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "reflow-test", "AWS_SECRET_ACCESS_KEY": "reflow-test",
+           "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                 aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_REGION"]
+                 ).create_bucket(Bucket="reflow")
+    yield env
+    server.terminate()
+    server.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture
+def s3_env(s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """``s3_server``'s environment set in this process for the test."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    return s3_server
