@@ -7,7 +7,7 @@ The actors (``infra.actors``) are named inside a per-run Ray namespace;
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -50,6 +50,7 @@ class Placement:
     namespace: str
     engines: tuple[str, ...]
     trainer: str
+    nodes: dict[str, str] = field(default_factory=dict)  # actor name -> Ray node id it runs on
 
 
 # Named actors that are not detached die with their last handle; the process
@@ -107,7 +108,14 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
                                             run_dir, run_id)
     _HANDLES[namespace] = [*engines, trainer]
     ray.get([*(e.version.remote() for e in engines), trainer.version.remote()])
-    return Placement(namespace=namespace, engines=engine_names, trainer=trainer_name)
+    nodes = ray.get([a.__ray_call__.remote(_node_id) for a in (*engines, trainer)])
+    return Placement(namespace=namespace, engines=engine_names, trainer=trainer_name,
+                     nodes=dict(zip((*engine_names, trainer_name), nodes)))
+
+
+def _node_id(actor_self: Any) -> str:
+    """The Ray node an actor runs on (called inside the actor)."""
+    return ray.get_runtime_context().get_node_id()
 
 
 def actor(name: str, namespace: str) -> Any:

@@ -34,6 +34,7 @@ class RunRecord(BaseModel):
     trainer: str
     tracking_uri: str
     mlflow_run_id: str | None = None
+    nodes: dict[str, str] = {}  # actor name -> Ray node id it started on
 
 
 def new_run_id(cfg: ReflowConfig) -> str:
