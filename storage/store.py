@@ -7,6 +7,7 @@ unit tests of other code). Every SQL string lives in ``storage``.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,14 @@ ROLLOUT_CACHE = "rollout_cache"
 
 
 class StorageError(RuntimeError):
-    """A table cannot be opened, written or queried; the message names the path and the cause."""
+    """A table cannot be opened, written or queried; the message names the path and the cause.
+
+    delta-rs colours the cause chain of object-store errors with terminal escape codes; they are dropped,
+    so the message reads the same in a terminal, a log file and the Prefect UI.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(re.sub(r"\x1b\[[0-9;]*m", "", message))
 
 
 @dataclass(frozen=True)

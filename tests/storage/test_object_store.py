@@ -113,3 +113,17 @@ def test_actors_get_the_drivers_object_store_settings(monkeypatch: pytest.Monkey
     env = worker_env(2)
     assert env["AWS_ENDPOINT_URL"] == "http://s3.example:9000" and env["AZURE_STORAGE_ACCOUNT_NAME"] == "acct"
     assert "UNRELATED_SECRET" not in env and env["OMP_NUM_THREADS"] == "2"
+
+
+def test_an_unreachable_object_store_is_a_plain_error(s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No server at the endpoint: a StorageError naming the table and the cause, without terminal colour codes."""
+    from reflow.storage.store import StorageError
+
+    from ..conftest import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(StorageError) as caught:
+        DeltaTrajectoryStore(_root()).table_versions()
+    message = str(caught.value)
+    assert "cannot open Delta table s3://reflow/" in message and "Connection refused" in message
+    assert "\x1b" not in message
