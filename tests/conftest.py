@@ -61,6 +61,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_answering(server, url: str, timeout_s: float, what: str) -> None:
+    """Wait until ``url`` answers; kill ``server`` (a Popen) and fail the test if it exits or ``timeout_s`` passes."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"{what} did not start at {url}")
+            time.sleep(0.3)
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real S3-compatible server on this machine (moto's server mode, its own process) with a bucket ``reflow``.
@@ -71,8 +88,6 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     """
     import subprocess
     import sys
-    import time
-    import urllib.request
 
     import boto3
 
@@ -81,16 +96,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail(f"moto's S3 server did not start on port {port} (see {log.name})")
-            time.sleep(0.2)
+    wait_until_answering(server, f"{endpoint}/moto-api/", 60, f"moto's S3 server (log: {log.name})")
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "reflow-test", "AWS_SECRET_ACCESS_KEY": "reflow-test",
            "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
     boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],

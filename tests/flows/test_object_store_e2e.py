@@ -10,8 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -21,7 +19,7 @@ import pytest
 
 from reflow.storage.metrics import mlflow_name
 
-from ..conftest import free_port
+from ..conftest import free_port, wait_until_answering
 from .test_rl_train_e2e import REPO
 
 
@@ -35,16 +33,7 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
                                "--artifacts-destination", str(tmp_path / "artifacts")],
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2).close()
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                os.killpg(server.pid, 9)
-                pytest.fail(f"mlflow server did not start: {(tmp_path / 'mlflow-server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+    wait_until_answering(server, f"{uri}/health", 120, f"mlflow server (log: {log.name})")
     yield uri
     os.killpg(server.pid, 15)
     server.wait(timeout=30)

@@ -219,23 +219,27 @@ def test_in_memory_store_has_the_same_behaviour() -> None:
         store.query("SELECT 1")
 
 
-def test_concurrent_writers_of_one_step_write_it_once(tmp_path: Path) -> None:
+def race_writers_of_one_step(root: str, writers: int) -> None:
+    """``writers`` threads, each with its own store (as separate workers would), write one step: it lands once."""
     records = [make_trajectory(i) for i in range(3)]
     results: list[int | None] = []
     errors: list[Exception] = []
 
     def write() -> None:
-        try:  # each writer opens its own store, as separate workers would
-            store = DeltaTrajectoryStore(str(tmp_path / "store"))
-            results.append(store.append_trajectories(records, app_id="rollout", txn_version=0))
+        try:
+            results.append(DeltaTrajectoryStore(root).append_trajectories(records, app_id="rollout", txn_version=0))
         except Exception as exc:  # noqa: BLE001 - collected and asserted below
             errors.append(exc)
 
-    threads = [threading.Thread(target=write) for _ in range(6)]
+    threads = [threading.Thread(target=write) for _ in range(writers)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert errors == []
     assert sum(r is not None for r in results) == 1
-    assert DeltaTrajectoryStore(str(tmp_path / "store")).read_trajectories(run_id="run-a").num_rows == 3
+    assert DeltaTrajectoryStore(root).read_trajectories(run_id="run-a").num_rows == 3
+
+
+def test_concurrent_writers_of_one_step_write_it_once(tmp_path: Path) -> None:
+    race_writers_of_one_step(str(tmp_path / "store"), writers=6)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import uuid
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from deltalake import DeltaTable
 
 from reflow.storage.delta_store import DeltaTrajectoryStore
 
-from .test_delta_store import make_trajectory, make_usage
+from .test_delta_store import make_trajectory, make_usage, race_writers_of_one_step
 
 # One writer process: ``n`` batches of trajectories, each its own commit under app id ``writer-<k>``.
 WRITER = """
@@ -84,23 +83,7 @@ def test_two_writers_appending_at_once_lose_no_commit(s3_env: dict[str, str]) ->
 
 
 def test_concurrent_writers_of_one_step_write_it_once_on_the_object_store(s3_env: dict[str, str]) -> None:
-    root, records = _root(), [make_trajectory(i) for i in range(3)]
-    results: list[int | None] = []
-    errors: list[Exception] = []
-
-    def write() -> None:
-        try:
-            results.append(DeltaTrajectoryStore(root).append_trajectories(records, app_id="rollout", txn_version=0))
-        except Exception as exc:  # noqa: BLE001 - collected and asserted below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=write) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == [] and sum(r is not None for r in results) == 1
-    assert DeltaTrajectoryStore(root).read_trajectories(run_id="run-a").num_rows == 3
+    race_writers_of_one_step(_root(), writers=4)
 
 
 def test_actors_get_the_drivers_object_store_settings(monkeypatch: pytest.MonkeyPatch) -> None:
