@@ -332,11 +332,24 @@ class ResourcesConfig(_Section):
     num_cpus: int | None = Field(None, ge=1, le=100_000, description="CPUs for a local Ray (unset: all).")
     engine_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per engine actor.")
     trainer_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per trainer actor.")
+    engines: int = Field(1, ge=1, le=1024, description="Engine actors generating in data parallel, each "
+                         "reserving engine_cpus and engine_gpus: streaming modes deal each group to the engine "
+                         "with the fewest requests in flight, plain rounds split a round's groups across them.")
+    engine_placement: Literal["spread", "pack"] = Field("spread", description="How the engines' placement group "
+                                                        "lays them over the cluster's nodes when engines > 1: "
+                                                        "spread (one per node where possible) or pack.")
     elastic_engines: int = Field(0, ge=0, le=64, description="Extra engine actors that reserve no CPU: they "
                                  "run at the lowest OS priority (nice 19, below Ray's workers at 15) on the "
                                  "cycles the trainer and the control plane leave, so they generate while the "
                                  "trainer waits and mostly yield while it trains (ReFlow's elastic role, on one "
                                  "machine). Plain rounds, async and reflow use them; sorted rounds do not.")
+    trainer_ranks: int = Field(1, ge=1, le=1024, description="Trainer actors forming one torch.distributed "
+                               "group (gloo on CPU, NCCL on GPU) with FSDP2: each trains on its token-balanced "
+                               "share of the batch; each reserves trainer_cpus and trainer_gpus. More than one: a "
+                               "dead rank fails the run (reflow resume continues it on as many ranks).")
+    trainer_placement: Literal["pack", "spread"] = Field("pack", description="How the trainer ranks' placement "
+                                                         "group lays them over the cluster's nodes: pack (as few "
+                                                         "nodes as fit) or spread (one per node where possible).")
     engine_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per engine actor.")
     trainer_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per trainer actor.")
     torch_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads per actor and of the tiny "
@@ -434,9 +447,11 @@ class ReflowConfig(_Section):
                 raise ValueError(f"rollout.scheduling={r.scheduling!r} needs mode.kind='sync' (the streaming modes "
                                  "already resume partial responses across updates: use 'sorted_partial' or 'plain' "
                                  "there)")
-        if self.resources.elastic_engines and r.scheduling != "plain" and self.mode.kind == "sync":
-            raise ValueError(f"resources.elastic_engines > 0 needs rollout.scheduling='plain' in mode 'sync' (a "
-                             f"sorted round runs on one engine; got {r.scheduling!r})")
+        for extra in ("elastic_engines", "engines"):
+            count = getattr(self.resources, extra) - (extra == "engines")
+            if count and r.scheduling != "plain" and self.mode.kind == "sync":
+                raise ValueError(f"resources.{extra}={count + (extra == 'engines')} needs rollout.scheduling='plain' "
+                                 f"in mode 'sync' (a sorted round runs on one engine; got {r.scheduling!r})")
         if self.env.kind == "tool_calc" and self.tools.max_calls == 0:
             raise ValueError("env.kind='tool_calc' needs tool calls: set tools.max_calls >= 1")
         if self.env.kind == "tool_calc" and self.env.max_operand < 100:

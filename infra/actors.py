@@ -10,7 +10,9 @@ them after their process died.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
+import socket
 import threading
 import time
 import uuid
@@ -31,7 +33,7 @@ from reflow.policies.hf_engine import TransformersEngine
 from reflow.policies.models import load_tokenizer
 from reflow.policies.multiturn import MultiTurnEngine, ToolSettings
 from reflow.policies.rounds import SlotMeter, run_round
-from reflow.policies.trainer import Trainer
+from reflow.policies.trainer import Trainer, split_by_tokens
 from reflow.policies.vllm_engine import VLLMEngine
 from reflow.storage import queries
 from reflow.storage.delta_store import DeltaTrajectoryStore
@@ -226,15 +228,25 @@ class TrainerWorker:
     """
 
     def __init__(self, model_dir: str, config_json: str, store_root: str, threads: int,
-                 run_dir: str | None = None, run_id: str | None = None) -> None:
+                 run_dir: str | None = None, run_id: str | None = None, placement_group: Any = None) -> None:
         torch.set_num_threads(threads)
         cfg = ReflowConfig.model_validate_json(config_json)
-        device = cfg.train.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = train_device(cfg)
         self.store_root = store_root
         self.store = None
         self.recent = None
+        # Sharded (``resources.trainer_ranks`` > 1): this actor is rank 0; it starts the other ranks in the
+        # placement group's next bundles, and all join the group as they start (each waits for the rest).
+        self.peers: list[Any] = []
+        ranks = cfg.resources.trainer_ranks
+        if ranks > 1:
+            master = f"{ray.util.get_node_ip_address()}:{_free_port()}"
+            res = cfg.resources
+            self.peers = [ray.remote(TrainerRank).options(
+                num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, max_restarts=0,
+                scheduling_strategy=in_bundle(placement_group, rank)).remote(
+                    model_dir, config_json, threads, rank, master) for rank in range(1, ranks)]
+            join_trainer_group(0, ranks, master, device)
         self.trainer = Trainer(model_dir, cfg.train, cfg.run.seed, device=device, dtype=cfg.model.dtype)
         self.max_staleness = cfg.buffer.max_staleness_versions  # no later batch reads below version - this
         self.replayed: dict[int, Any] = {}  # version a step started at -> its result, for steps replayed by recover
@@ -244,9 +256,18 @@ class TrainerWorker:
         # Before ``launch_workers`` returns, so off the run's clock; lengths up to the longest response plus an
         # arith prompt (a longer prompt's shapes take what more memory they need at their first step).
         if cfg.train.warm_up:
-            self.trainer.warm_up(cfg.rollout.max_response_tokens + 64)
+            self.trainer.warm_up(warm_up_tokens(cfg))  # the other ranks warm up as they start
+        if self.peers:
+            ray.get([peer.version.remote() for peer in self.peers])  # each has joined and warmed up
         if run_dir is not None and run_id is not None and _restarted():
             self.recover(run_dir, run_id)
+
+    def _on_every_rank(self, method: str, *args: Any) -> Any:
+        """``self.trainer.<method>(*args)`` here and on every other rank at once (a collective); rank 0's result."""
+        refs = [getattr(peer, method).remote(*args) for peer in self.peers]
+        out = getattr(self.trainer, method)(*args)
+        ray.get(refs)
+        return out
 
     def recover(self, run_dir: str, run_id: str) -> int:
         """Newest checkpoint of ``run_dir``, then every later step of the usage log; returns the version."""
@@ -285,7 +306,14 @@ class TrainerWorker:
         self.prefetch_hits += prefetched
         table, samples = read
         read_s = time.perf_counter() - start
-        step = self.trainer.step(samples)
+        if self.peers:  # each rank steps on its token-balanced share
+            shares = split_by_tokens([len(s.prompt_tokens) + len(s.response_tokens) for s in samples],
+                                     1 + len(self.peers))
+            refs = [peer.step.remote([samples[i] for i in share]) for peer, share in zip(self.peers, shares[1:])]
+            step = self.trainer.step([samples[i] for i in shares[0]])
+            ray.get(refs)
+        else:
+            step = self.trainer.step(samples)
         batch = BatchStats.of(table.column("reward").to_pylist(), table.column("correct").to_pylist(),
                               table.column("response_length").to_pylist())
         return dataclasses.replace(step, trainer_read_seconds=read_s, trainer_batch_prefetched=prefetched, batch=batch)
@@ -337,26 +365,107 @@ class TrainerWorker:
         return table, train_samples_from_table(table, dict(zip(trajectory_ids, loss_weights)), self.trainer.cfg)
 
     def export_weights(self) -> dict[str, Any]:
-        return self.trainer.export_weights()
+        return self._on_every_rank("export_weights")
 
     def version(self) -> int:
         return self.trainer.version
 
     def weights_and_version(self) -> tuple[dict[str, Any], int]:
         """The current weights and their version, consistent with each other."""
-        return self.trainer.export_weights(), self.trainer.version
+        return self._on_every_rank("export_weights"), self.trainer.version
 
     def pid(self) -> int:
         return os.getpid()
 
+    def ranks(self) -> list[tuple[int, str]]:
+        """(pid, Ray node id) of each trainer rank, rank 0 first."""
+        here = (os.getpid(), ray.get_runtime_context().get_node_id())
+        return [here, *ray.get([peer.where.remote() for peer in self.peers])]
+
     def save_checkpoint(self, path: str) -> str:
-        return str(self.trainer.save_checkpoint(path))
+        return str(self._on_every_rank("save_checkpoint", path))
+
+    def load_checkpoint(self, path: str) -> int:
+        return self._on_every_rank("load_checkpoint", path)
+
+    def save_hf(self, path: str) -> str:
+        return str(self._on_every_rank("save_hf", path))
+
+
+class TrainerRank:
+    """Rank ``rank`` >= 1 of a sharded trainer: its shard of the weights and of the optimiser state.
+
+    The ``TrainerWorker`` (rank 0) starts it and calls it for every
+    collective (a step on its share, a weight gather, a checkpoint). Not
+    restarted by Ray: a process group cannot take a new member, so a dead
+    rank fails the run and ``reflow resume`` continues it.
+    """
+
+    def __init__(self, model_dir: str, config_json: str, threads: int, rank: int, master: str) -> None:
+        torch.set_num_threads(threads)
+        cfg = ReflowConfig.model_validate_json(config_json)
+        device = train_device(cfg)
+        join_trainer_group(rank, cfg.resources.trainer_ranks, master, device)
+        self.trainer = Trainer(model_dir, cfg.train, cfg.run.seed, device=device, dtype=cfg.model.dtype)
+        if cfg.train.warm_up:
+            self.trainer.warm_up(warm_up_tokens(cfg))
+
+    def step(self, samples: list[Any]) -> TrainStep:
+        return self.trainer.step(samples)
+
+    def export_weights(self) -> None:
+        self.trainer.export_weights()  # its part of the gather; rank 0 keeps the copy
+
+    def save_checkpoint(self, path: str) -> None:
+        self.trainer.save_checkpoint(path)
 
     def load_checkpoint(self, path: str) -> int:
         return self.trainer.load_checkpoint(path)
 
-    def save_hf(self, path: str) -> str:
-        return str(self.trainer.save_hf(path))
+    def save_hf(self, path: str) -> None:
+        self.trainer.save_hf(path)
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def where(self) -> tuple[int, str]:
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+
+def train_device(cfg: ReflowConfig) -> str:
+    """``train.device``, with ``auto`` resolved on this process's host."""
+    if cfg.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.train.device
+
+
+def warm_up_tokens(cfg: ReflowConfig) -> int:
+    """Sequence length the trainer warms up to: the longest response plus an arith prompt."""
+    return cfg.rollout.max_response_tokens + 64
+
+
+def join_trainer_group(rank: int, world: int, master: str, device: str) -> None:
+    """Join the trainer ranks' ``torch.distributed`` group (NCCL on GPUs, gloo on CPU) at ``master`` (host:port)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                         init_method=f"tcp://{master}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(minutes=10))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def in_bundle(placement_group: Any, index: int) -> Any:
+    """Scheduling in bundle ``index`` of ``placement_group`` (None: Ray's default scheduling)."""
+    if placement_group is None:
+        return None
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=placement_group, placement_group_bundle_index=index)
 
 
 def write_weights(weights: dict[str, Any], path: str, version: int) -> str:

@@ -14,7 +14,7 @@ import ray
 
 from reflow.config.load import config_to_json
 from reflow.config.schema import ReflowConfig
-from reflow.infra.actors import EngineWorker, TrainerWorker
+from reflow.infra.actors import EngineWorker, TrainerWorker, in_bundle
 from reflow.infra.signals import interrupt_on_signals
 from reflow.policies.multiturn import ToolSettings
 
@@ -75,7 +75,11 @@ def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
 def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root: str,
                    engine_settings: Any, version: int = 0, run_dir: str | None = None,
                    run_id: str | None = None, tool_fn: Any = None) -> Placement:
-    """Create the engine actors (the main one plus ``resources.elastic_engines``) and the trainer; wait for all.
+    """Create the engine actors (``resources.engines``, then ``resources.elastic_engines``) and the trainer
+    (``resources.trainer_ranks``); wait for all.
+
+    Several engines take one placement group (spread over the nodes by
+    default), several trainer ranks another (packed by default).
 
     All are restarted by Ray up to ``resources.max_actor_restarts`` times if
     their process dies, and the calls in flight are re-issued (see the
@@ -95,22 +99,63 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
     env = {"env_vars": worker_env(res.torch_threads)}
     restarts = {"max_restarts": res.max_actor_restarts, "max_task_retries": -1 if res.max_actor_restarts else 0}
     trainer_name = "trainer"
-    engine_names = tuple(f"engine-{i}" for i in range(1 + res.elastic_engines))
+    engine_names = tuple(f"engine-{i}" for i in range(res.engines + res.elastic_engines))
+    spread = engine_placement_group(cfg)
     engines = [ray.remote(EngineWorker).options(
-        name=name, namespace=namespace, num_cpus=res.engine_cpus if i == 0 else 0,
-        num_gpus=res.engine_gpus if i == 0 else 0, runtime_env=env, max_concurrency=1, **restarts).remote(
-            cfg.rollout.engine, engine_settings, version, trainer_name, tools, tool_fn, ELASTIC_NICE if i else 0)
+        name=name, namespace=namespace, num_cpus=res.engine_cpus if i < res.engines else 0,
+        num_gpus=res.engine_gpus if i < res.engines else 0, runtime_env=env, max_concurrency=1,
+        scheduling_strategy=in_bundle(spread, i) if i < res.engines else None, **restarts).remote(
+            cfg.rollout.engine, engine_settings, version, trainer_name, tools, tool_fn,
+            ELASTIC_NICE if i >= res.engines else 0)
         for i, name in enumerate(engine_names)]
+    group = trainer_placement_group(cfg)
+    if group is not None:  # a process group cannot take a restarted member: a dead rank fails the run
+        restarts = {"max_restarts": 0, "max_task_retries": 0}
     # "read": ``prefetch`` runs beside ``train`` (every other method runs one at a time, in call order)
     trainer = ray.remote(concurrency_groups={"read": 1})(TrainerWorker).options(
         name=trainer_name, namespace=namespace, num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
-        runtime_env=env, **restarts).remote(model_dir, config_to_json(cfg), store_root, res.torch_threads,
-                                            run_dir, run_id)
+        runtime_env=env, scheduling_strategy=in_bundle(group, 0), **restarts).remote(
+            model_dir, config_to_json(cfg), store_root, res.torch_threads, run_dir, run_id, group)
     _HANDLES[namespace] = [*engines, trainer]
     ray.get([*(e.version.remote() for e in engines), trainer.version.remote()])
-    nodes = ray.get([a.__ray_call__.remote(_node_id) for a in (*engines, trainer)])
-    return Placement(namespace=namespace, engines=engine_names, trainer=trainer_name,
-                     nodes=dict(zip((*engine_names, trainer_name), nodes)))
+    nodes = dict(zip(engine_names, ray.get([e.__ray_call__.remote(_node_id) for e in engines])))
+    for rank, (_, node) in enumerate(ray.get(trainer.ranks.remote())):
+        nodes[trainer_name if rank == 0 else f"{trainer_name}-rank-{rank}"] = node
+    return Placement(namespace=namespace, engines=engine_names, trainer=trainer_name, nodes=nodes)
+
+
+def engine_placement_group(cfg: ReflowConfig) -> Any:
+    """The placement group of the engines (one bundle each, ``resources.engine_placement``), ready; None for one."""
+    res = cfg.resources
+    if res.engines == 1:
+        return None
+    bundle = {"CPU": res.engine_cpus, **({"GPU": res.engine_gpus} if res.engine_gpus else {})}
+    return _ready(ray.util.placement_group([bundle] * res.engines, strategy=res.engine_placement.upper()),
+                  f"{res.engines} engines of {bundle} each ({res.engine_placement})")
+
+
+def _ready(group: Any, what: str) -> Any:
+    """``group`` once the cluster has reserved it; a plain error naming ``what`` if it cannot within 2 minutes."""
+    if not group.wait(timeout_seconds=120):
+        ray.util.remove_placement_group(group)
+        raise RuntimeError(f"the cluster cannot place {what} within 2 minutes; its resources: "
+                           f"{ray.cluster_resources()}")
+    return group
+
+
+def trainer_placement_group(cfg: ReflowConfig) -> Any:
+    """The placement group of a sharded trainer's ranks (one bundle each), ready; None for one rank.
+
+    ``resources.trainer_placement``: ``pack`` puts the ranks on as few nodes
+    as hold them (the collectives stay inside a node where they can),
+    ``spread`` one per node where there are enough.
+    """
+    res = cfg.resources
+    if res.trainer_ranks == 1:
+        return None
+    bundle = {"CPU": res.trainer_cpus, **({"GPU": res.trainer_gpus} if res.trainer_gpus else {})}
+    return _ready(ray.util.placement_group([bundle] * res.trainer_ranks, strategy=res.trainer_placement.upper()),
+                  f"{res.trainer_ranks} trainer ranks of {bundle} each ({res.trainer_placement})")
 
 
 def _node_id(actor_self: Any) -> str:

@@ -1,9 +1,12 @@
 """The GRPO trainer: a torch model, AdamW, token-budget micro-batches.
 
-Written for one process here and for FSDP2 across devices: when
-``torch.distributed`` is initialised with more than one rank, every decoder
-layer and the root are wrapped with ``fully_shard`` and ``export_weights``
-gathers full tensors.
+Written for one process and for FSDP2 across ranks: when ``torch.distributed``
+is initialised with more than one rank, every decoder layer and the root are
+wrapped with ``fully_shard``. Each rank then steps on its share of the batch
+(``split_by_tokens``) with the batch's global loss normaliser, so the update is
+the one-rank update on the whole batch; ``export_weights`` gathers full tensors
+and checkpoints are sharded (``torch.distributed.checkpoint``). Every method
+that touches the weights is then a collective: all ranks call it together.
 """
 
 from __future__ import annotations
@@ -58,6 +61,21 @@ def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
     return batches
 
 
+def split_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
+    """Deal sample indices to ``ranks`` shares of nearly equal token counts (longest first, to the lightest share).
+
+    Each share keeps its indices in batch order. A share may be empty when
+    there are fewer samples than ranks.
+    """
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        lightest = min(range(ranks), key=lambda r: (load[r], len(shares[r]), r))
+        shares[lightest].append(i)
+        load[lightest] += lengths[i]
+    return [sorted(share) for share in shares]
+
+
 def _collate(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded (B, L) ids and (B, L-1) targets aligned to next-token positions."""
     full = [s.prompt_tokens + s.response_tokens for s in samples]
@@ -102,6 +120,7 @@ class Trainer:
         """FSDP2: shard each decoder layer, then the root, when running on several ranks."""
         dist = torch.distributed
         self._sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank, self.world = 0, 1
         if not self._sharded:
             return
         from torch.distributed.fsdp import fully_shard
@@ -109,6 +128,16 @@ class Trainer:
         for layer in self.model.model.layers:
             fully_shard(layer)
         fully_shard(self.model)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def _global(self, values: list[float], op: str = "sum") -> list[float]:
+        """``values`` summed (or their maximum) over every rank; unchanged on one rank."""
+        if not self._sharded:
+            return values
+        dist = torch.distributed
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return tensor.tolist()
 
     def warm_up(self, max_sequence_tokens: int) -> float:
         """Forward and backward passes on dummy micro-batches; returns the seconds it took.
@@ -149,10 +178,10 @@ class Trainer:
         With ``kl_coef == 0`` the loss is ``sum_t w * m_t * loss_t / normaliser`` and every policy loss
         here is ``-w_t * min(r_t A, clip(r_t) A)``: with ``A == 0`` (a GRPO group whose rewards are all
         equal) or loss weight 0, each term and its gradient is 0, whatever the logits. The KL term
-        depends on every sample, so nothing is skipped when it is on; nor across several ranks (FSDP
-        needs every rank to run the same forward passes).
+        depends on every sample, so nothing is skipped when it is on. (Across ranks, a rank left with
+        fewer micro-batches runs empty ones: FSDP needs every rank to run as many passes.)
         """
-        return (self.cfg.skip_zero_advantage and self.reference is None and not self._sharded
+        return (self.cfg.skip_zero_advantage and self.reference is None
                 and (sample.advantage == 0.0 or sample.loss_weight == 0.0))
 
     def step(self, samples: list[TrainSample]) -> TrainStep:
@@ -160,38 +189,52 @@ class Trainer:
 
         The loss normaliser counts every sample of the batch, skipped ones included (``skippable``),
         so skipping changes no gradient; entropy, clip fraction and ratio are means over the tokens
-        trained on.
+        trained on. Sharded, ``samples`` is this rank's share: the normaliser and every figure
+        returned are the whole batch's (summed over ranks), and a rank with fewer micro-batches
+        runs empty ones, so all ranks run as many forward and backward passes as FSDP needs.
         """
         start = time.perf_counter()
         self.model.train()
         loss_tokens = int(sum(sum(s.loss_mask) for s in samples))
-        normaliser = float(max(loss_tokens, 1)) if self.cfg.loss_agg == "token_mean" else float(len(samples))
         active = [s for s in samples if not self.skippable(s)]
         trained_tokens = int(sum(sum(s.loss_mask) for s in active))
-        sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "ratio": 0.0}
         groups = pack_micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in active],
                                     self.cfg.micro_batch_tokens)
+        loss_tokens, batch_size, trained_tokens, trained_samples = (int(v) for v in self._global(
+            [loss_tokens, len(samples), trained_tokens, len(active)]))
+        passes = int(self._global([len(groups)], op="max")[0])
+        normaliser = float(max(loss_tokens, 1)) if self.cfg.loss_agg == "token_mean" else float(batch_size)
+        sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "ratio": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        for idx in groups:
-            part = self._micro_step([active[i] for i in idx], normaliser)
+        for k in range(passes):
+            part = self._micro_step([active[i] for i in groups[k]] if k < len(groups) else [self._empty_sample()],
+                                    normaliser)
             for key in sums:
                 sums[key] += part[key]
-        if not groups:  # a zero gradient, not a missing one: AdamW still decays its moments and steps
+        if not passes:  # a zero gradient, not a missing one: AdamW still decays its moments and steps
             for p in self.model.parameters():
                 p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # sharded: a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
         lr = self.step_learning_rate(samples)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         self.optimizer.step()
         self.version += 1
+        sums = dict(zip(sums, self._global(list(sums.values()))))
         per_token = float(max(trained_tokens, 1))
         return TrainStep(version=self.version, loss=sums["loss"], kl=sums["kl"] / per_token,
                          entropy=sums["entropy"] / per_token, grad_norm=float(grad_norm),
                          clip_fraction=sums["clip"] / per_token, importance_ratio_mean=sums["ratio"] / per_token,
-                         trained_tokens=trained_tokens, micro_batches=len(groups),
-                         trainer_seconds=time.perf_counter() - start, skipped_samples=len(samples) - len(active),
+                         trained_tokens=trained_tokens, micro_batches=passes,
+                         trainer_seconds=time.perf_counter() - start, skipped_samples=batch_size - trained_samples,
                          skipped_tokens=loss_tokens - trained_tokens, learning_rate=lr)
+
+    def _empty_sample(self) -> TrainSample:
+        """A two-token sample with no loss token and weight 0: a pass whose gradient is exactly zero."""
+        token = 1 if self.pad_id == 0 else 0
+        return TrainSample([token], [token], [0.0], [0], advantage=0.0, loss_weight=0.0)
 
     def step_learning_rate(self, samples: list[TrainSample]) -> float:
         """``learning_rate``, times the mean loss weight of the samples with a gradient (``lr_by_weight``).
@@ -229,7 +272,7 @@ class Trainer:
             kl = grpo.kl_k3(logp, grpo.token_logprobs(ref_logits, targets))
             per_token = per_token + self.cfg.kl_coef * kl
         loss = grpo.aggregate(per_token, mask, batch["weight"], self.cfg.loss_agg, normaliser)
-        loss.backward()
+        (loss * self.world).backward()  # FSDP averages gradients over ranks; the loss is a sum over the batch
         with torch.no_grad():
             entropy = grpo.entropy_from_logits(logits.detach())
             ratio = torch.exp(logp.detach() - batch["behaviour"])
@@ -247,35 +290,87 @@ class Trainer:
         return out
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Model, optimiser, RNG and version, written to a temp dir then renamed."""
+        """Model, optimiser, RNG and version, written to a temp dir then renamed.
+
+        ``trainer.pt`` (written last: a directory holding it is complete) has
+        the full weights, the version and the number of ranks. On one rank it
+        also holds the optimiser and the RNG states; sharded, each rank writes
+        its shard of the weights and optimiser through
+        ``torch.distributed.checkpoint`` (``sharded/``) and its RNG states
+        (``rng-<rank>.pt``), and the run directory must be on a filesystem
+        every rank sees.
+        """
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        torch.save({"model": self.export_weights(), "optimizer": self.optimizer.state_dict(),
-                    "version": self.version, "torch_rng": torch.get_rng_state(),
-                    "numpy_rng": np.random.get_state(), "python_rng": random.getstate()},
-                   tmp / "trainer.pt")
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        rng = {"torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
+               "python_rng": random.getstate()}
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        state = {"version": self.version, "ranks": self.world}
+        if self._sharded:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            torch.distributed.barrier()  # the directory exists
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp / "sharded")
+            torch.save(rng, tmp / f"rng-{self.rank}.pt")
+        else:
+            state |= {"optimizer": self.optimizer.state_dict(), **rng}
+        weights = self.export_weights()  # a collective when sharded
+        if self._sharded:
+            torch.distributed.barrier()  # every shard is written
+        if self.rank == 0:
+            torch.save({"model": weights, **state}, tmp / "trainer.pt")
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        if self._sharded:
+            torch.distributed.barrier()  # no rank returns before the checkpoint is in place
         return path
 
     def load_checkpoint(self, path: str | Path) -> int:
-        """Restore a ``save_checkpoint`` directory; returns the version."""
-        state = torch.load(Path(path) / "trainer.pt", weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        np.random.set_state(state["numpy_rng"])
-        random.setstate(state["python_rng"])
+        """Restore a ``save_checkpoint`` directory; returns the version.
+
+        Only onto as many ranks as saved it: the RNG states are per rank, and
+        a step's split of the batch depends on the number of ranks, so a run
+        resumed on another number would not continue the same run. (The
+        weights alone, ``trainer.pt``'s ``model``, load anywhere.)
+        """
+        path = Path(path)
+        state = torch.load(path / "trainer.pt", weights_only=False)
+        saved = int(state.get("ranks", 1))
+        if saved != self.world:
+            raise ValueError(f"checkpoint {path} was saved by {saved} trainer rank(s) and this trainer has "
+                             f"{self.world}: resume with resources.trainer_ranks={saved}")
+        if self._sharded:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            sharded = {"model": model_state, "optimizer": optim_state}
+            dcp.load(sharded, checkpoint_id=path / "sharded")
+            set_state_dict(self.model, self.optimizer, model_state_dict=sharded["model"],
+                           optim_state_dict=sharded["optimizer"])
+            rng = torch.load(path / f"rng-{self.rank}.pt", weights_only=False)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            rng = state
+        torch.set_rng_state(rng["torch_rng"])
+        np.random.set_state(rng["numpy_rng"])
+        random.setstate(rng["python_rng"])
         self.version = int(state["version"])
         return self.version
 
     def save_hf(self, out_dir: str | Path) -> Path:
-        """The current policy as a Hugging Face directory (weights + tokenizer files)."""
+        """The current policy as a Hugging Face directory (weights + tokenizer files; rank 0 writes it)."""
         out = Path(out_dir)
+        weights = self.export_weights()  # a collective when sharded
+        if self.rank:
+            return out
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, state_dict=self.export_weights())
+        self.model.save_pretrained(out, state_dict=weights)
         for name in TOKENIZER_FILES:
             src = Path(self.model_dir) / name
             if src.exists():

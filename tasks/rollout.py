@@ -34,6 +34,7 @@ class RolloutHandle:
     samples: Any  # [ray.ObjectRef[GenBatch]], one per engine that got requests
     num_requests: int
     submitted_at: float  # run clock when the round was submitted
+    main_parts: int = 0  # of ``samples``, the first parts come from the main engines, the rest from elastic ones
 
 
 def _train_prompts(ctx: TaskContext, step: int) -> list[Prompt]:
@@ -78,13 +79,14 @@ def rollout(run_dir: str, step: int) -> RolloutHandle:
         return RolloutHandle(step=step, samples=None, num_requests=0, submitted_at=now)
     prompts = _train_prompts(ctx, step)
     names = ctx.record.engines
-    refs = []
-    for i, name in enumerate(names):  # whole groups, dealt round-robin to the main engine and the elastic ones
+    refs, main_parts = [], 0
+    for i, name in enumerate(names):  # whole groups, dealt round-robin to the main engines and the elastic ones
         requests = requests_for(ctx, prompts[i::len(names)], ctx.cfg.rollout.samples_per_prompt, str(step))
         if requests:
             refs.append(actor(name, ctx.record.namespace).generate.remote(requests))
+            main_parts += i < ctx.cfg.resources.engines
     return RolloutHandle(step=step, samples=refs, num_requests=len(prompts) * ctx.cfg.rollout.samples_per_prompt,
-                         submitted_at=now)
+                         submitted_at=now, main_parts=main_parts)
 
 
 def _decode(ctx: TaskContext, result: GenResult) -> str:
@@ -127,7 +129,7 @@ def score(run_dir: str, handle: RolloutHandle) -> RolloutStats:
     ctx = context(run_dir)
     if handle.samples is None:
         return summary_of_written(ctx, handle.step, ctx.clock.now())
-    parts = ray.get(handle.samples)  # the main engine's part first
+    parts = ray.get(handle.samples)  # the main engines' parts first
     batch = merge_batches(parts)
     start = ctx.clock.now()
     results = batch.results
@@ -146,19 +148,23 @@ def score(run_dir: str, handle: RolloutHandle) -> RolloutStats:
                         rollout_bubble_ratio=max(0.0, 1.0 - batch.busy_slot_seconds
                                                  / max(batch.slots * batch.seconds, 1e-9)),
                         prefill_tokens=sum(len(prompt_tokens[pid]) for pid in pids),
-                        elastic_tokens=sum(len(r.response_tokens) for part in parts[1:] for r in part.results),
+                        elastic_tokens=sum(len(r.response_tokens) for part in parts[handle.main_parts:]
+                                           for r in part.results),
                         trajectories_delta_version=-1 if version is None else version)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate(run_dir: str, step: int) -> EvalStats:
-    """Accuracy on the held-out prompts, sampled like training (not stored)."""
+    """Accuracy on the held-out prompts, sampled like training (not stored), split over the main engines."""
     ctx = context(run_dir)
     start = ctx.clock.now()
     prompts = ctx.env.prompts("eval", start=0, count=ctx.cfg.env.eval_prompts)
-    requests = requests_for(ctx, prompts, ctx.cfg.eval.samples_per_prompt, f"eval{step}")
-    batch: GenBatch = ray.get(actor(ctx.record.engines[0], ctx.record.namespace).generate.remote(requests))
-    results = batch.results
+    names = ctx.record.engines[:ctx.cfg.resources.engines]
+    parts = [requests_for(ctx, prompts[i::len(names)], ctx.cfg.eval.samples_per_prompt, f"eval{step}")
+             for i in range(len(names))]
+    batches: list[GenBatch] = ray.get([actor(name, ctx.record.namespace).generate.remote(part)
+                                       for name, part in zip(names, parts) if part])
+    results = merge_batches(batches).results
     by_id = {p.prompt_id: p for p in prompts}
     scores = ctx.env.score_many([by_id[SampleId.parse(r.request_id).prompt_id] for r in results],
                                 [_decode(ctx, r) for r in results])

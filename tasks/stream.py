@@ -233,7 +233,7 @@ class RaySelector:
                                    max_reuse=b.max_reuse if replay else 1, replay_order=b.replay_order)
         self.weight_fn = (lambda reuse, age: replay_weight(reuse, age, b.reuse_decay, b.staleness_decay))
         self.state, self.controller, self.on_step = state, controller, on_step
-        self.tokens_by_engine = tokens_by_engine  # the feeder's running counts (main engine first)
+        self.tokens_by_engine = tokens_by_engine  # the feeder's running counts (main engines first)
         self.checkpoints = checkpoints  # step -> whether recording it saves a checkpoint
         self.trainer = actor(self.ctx.record.trainer, self.ctx.record.namespace)
         self._weights: dict[int, Any] = {}  # version -> reference to its weights, taken as its step finished
@@ -306,7 +306,8 @@ class RaySelector:
         with self.state.cond:
             busy, tokens = self.state.engine_busy_s, self.state.generated_tokens
             expired, abandoned = self.state.groups_expired, self.state.groups_abandoned
-        elastic = sum(self.tokens_by_engine[1:])
+        main = self.ctx.cfg.resources.engines
+        elastic = sum(self.tokens_by_engine[main:])
         busy_d, tokens_d = busy - self.seen.engine_busy_s, tokens - self.seen.generated_tokens
         elastic_d = elastic - self.seen.elastic_tokens
         self.seen.engine_busy_s, self.seen.generated_tokens, self.seen.elastic_tokens = busy, tokens, elastic
@@ -320,7 +321,7 @@ class RaySelector:
             trainer_idle_fraction=min(1.0, max(0.0, 1.0 - train.trainer_seconds / step_s)),
             generated_tokens=tokens_d, generated_tokens_per_s=tokens_d / step_s,
             trained_tokens_per_s=train.trained_tokens / max(train.trainer_seconds, 1e-9),
-            elastic_token_share=min(1.0, elastic_d / max(tokens_d, 1)) if len(self.tokens_by_engine) > 1 else None,
+            elastic_token_share=min(1.0, elastic_d / max(tokens_d, 1)) if len(self.tokens_by_engine) > main else None,
             staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
             staleness_max=int(staleness.max()) if staleness.size else 0, policy_version=updated.version,
             samples=len(sel.trajectory_ids), machine_cpu_idle_fraction=step_cpu_idle(self.run_dir),
