@@ -18,12 +18,17 @@ partial rollout pays again when it resumes on new weights (its KV cache was
 computed with the old ones, so prompt and partial response are prefilled
 anew). The token order of each request is shuffled with its own seed, so
 vLLM's prefix cache cannot serve one request from another.
+
+``measure_pool`` times data-parallel generation (``resources.engines``): the
+same fixed set of requests, dealt round-robin to N engine actors under Ray
+that share the thread budget, for each N.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import random
 import statistics
 import time
@@ -34,6 +39,8 @@ import torch
 
 from reflow.config.schema import ReflowConfig
 from reflow.envs.base import make_env
+from reflow.infra.actors import EngineWorker
+from reflow.infra.placement import worker_env
 from reflow.policies.engines import engine_settings
 from reflow.policies.models import load_tokenizer, resolve_model_dir
 from reflow.policies.vllm_engine import VLLMEngine
@@ -168,3 +175,56 @@ def bench_engine(cfg: ReflowConfig, levels: Sequence[int], steps: int, warmup: i
                  f"tokens/s ({point['seconds']:.2f} s)")
         prefill.append(point)
     return {"engine": "vllm", "threads": threads, "model_dir": model_dir, "points": rows, "prefill": prefill}
+
+
+def measure_pool(cfg: ReflowConfig, counts: Sequence[int], requests: int,
+                 progress: Callable[[str], None] = print) -> list[dict]:
+    """Generated tokens/s of ``n`` vLLM engine actors splitting ``requests`` workload requests, for each ``n``.
+
+    A local Ray with every core of the machine; each engine actor runs
+    ``resources.torch_threads`` threads, as in a run, and reserves
+    ``cores / n`` CPUs. With one thread per engine on a machine of several
+    cores, more engines use more cores; where one engine's threads already
+    fill the machine, the split buys nothing but overhead. Each point first
+    generates one untimed request per engine, then times the whole set to
+    completion (the wall time ends with the slowest engine).
+    """
+    import ray
+
+    if not counts or min(counts) < 1 or requests < 1:
+        raise ValueError("engine counts and requests must be >= 1")
+    model_dir = resolve_model_dir(cfg)
+    settings = engine_settings(cfg, model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = make_env(cfg.env, cfg.run.seed, tokenizer).prompts("train", start=0, count=requests)
+    tokens = tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
+    cores = os.cpu_count() or 1
+    ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False, configure_logging=True,
+             logging_level="warning")
+    rows = []
+    try:
+        for n in counts:
+            threads = cfg.resources.torch_threads
+            engines = [ray.remote(EngineWorker).options(num_cpus=cores / n, runtime_env={
+                "env_vars": worker_env(threads)}).remote("vllm", dataclasses.replace(settings, threads=threads))
+                for _ in range(n)]
+            ray.get([e.generate.remote([GenRequest(f"warm{i}", tokens[0], 8)]) for i, e in enumerate(engines)])
+            batch = [GenRequest(f"n{n}/{i}", list(t), cfg.rollout.max_response_tokens) for i, t in enumerate(tokens)]
+            start = time.perf_counter()
+            parts = ray.get([e.generate.remote(batch[i::n]) for i, e in enumerate(engines)])
+            seconds = time.perf_counter() - start
+            generated = sum(len(r.response_tokens) for part in parts for r in part.results)
+            rows.append({"engines": n, "threads_per_engine": threads, "requests": requests, "tokens": generated,
+                         "seconds": seconds, "tokens_per_s": generated / max(seconds, 1e-9),
+                         "engine_seconds": [part.seconds for part in parts]})
+            progress(f"  {n} engine(s) x {threads} thread(s): {rows[-1]['tokens_per_s']:8.0f} tokens/s "
+                     f"({generated} tokens in {seconds:.1f} s)")
+            for e in engines:
+                ray.kill(e)
+    finally:
+        ray.shutdown()
+    for row in rows:
+        row["vs_first"] = row["tokens_per_s"] / max(rows[0]["tokens_per_s"], 1e-9)
+    progress("tokens/s relative to " + f"{rows[0]['engines']} engine(s): "
+             + ", ".join(f"{r['engines']}: {r['vs_first']:.2f}x" for r in rows))
+    return rows

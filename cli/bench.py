@@ -33,15 +33,21 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         raise InputError("--prefill-tokens values must be >= 1")
     if not levels or min(levels) < 1 or args.steps < 1 or args.warmup < 0:
         raise InputError("--concurrency values and --steps must be >= 1, --warmup >= 0")
+    pool = int_list(args.engines, "--engines") if args.engines.strip() else []
+    if pool and (min(pool) < 1 or args.pool_requests < 1):
+        raise InputError("--engines values and --pool-requests must be >= 1")
     cfg = load_config(args.config, args.overrides)
     if cfg.rollout.engine != "vllm":
         raise InputError("bench-engine measures the vLLM engine; set rollout.engine = \"vllm\"")
     quiet_environment(False)
     os.environ["OMP_NUM_THREADS"] = str(cfg.resources.torch_threads)  # as the engine actor runs (before torch loads)
-    from reflow.bench.engine import bench_engine  # torch and vLLM, after OMP_NUM_THREADS is set
+    from reflow.bench.engine import bench_engine, measure_pool  # torch and vLLM, after OMP_NUM_THREADS is set
 
     figures = bench_engine(cfg, levels, args.steps, args.warmup, prefill_lengths,
                            progress=lambda line: print(line, flush=True))
+    if pool:
+        print(f"data-parallel engines: {args.pool_requests} requests dealt to each number of engines", flush=True)
+        figures["pool"] = measure_pool(cfg, pool, args.pool_requests, progress=lambda line: print(line, flush=True))
     if args.output:
         Path(args.output).mkdir(parents=True, exist_ok=True)
         (Path(args.output) / "bench_engine.json").write_text(json.dumps(figures, indent=2))

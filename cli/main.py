@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--steps", type=int, default=60, help="timed engine steps per point (default 60)")
     eng.add_argument("--warmup", type=int, default=10, help="untimed engine steps before each point (default 10)")
     eng.add_argument("--prefill-tokens", default="32,128", help="then time prefilling 256 prompts of each length")
+    eng.add_argument("--engines", default="", metavar="N,...",
+                     help="then time data-parallel generation: the same --pool-requests dealt to N engine actors "
+                          "under Ray, for each N (e.g. 1,2; default: skipped)")
+    eng.add_argument("--pool-requests", type=int, default=256, metavar="K",
+                     help="requests per --engines point (default 256)")
     _add_output_arg(eng, "also write DIR/bench_engine.json")
     modes = sub.add_parser("bench", help="run the same workload under several modes and compare them")
     _add_config_args(modes)

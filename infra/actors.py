@@ -377,6 +377,10 @@ class TrainerWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def weight_bytes(self) -> int:
+        """Bytes of one full copy of the weights (what ``export_weights`` returns)."""
+        return sum(p.numel() * p.element_size() for p in self.trainer.model.state_dict().values())
+
     def ranks(self) -> list[tuple[int, str]]:
         """(pid, Ray node id) of each trainer rank, rank 0 first."""
         here = (os.getpid(), ray.get_runtime_context().get_node_id())

@@ -51,6 +51,7 @@ class Placement:
     engines: tuple[str, ...]
     trainer: str
     nodes: dict[str, str] = field(default_factory=dict)  # actor name -> Ray node id it runs on
+    weight_bytes: int = 0  # one full copy of the weights (what a sync moves)
 
 
 # Named actors that are not detached die with their last handle; the process
@@ -121,7 +122,8 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
     nodes = dict(zip(engine_names, ray.get([e.__ray_call__.remote(_node_id) for e in engines])))
     for rank, (_, node) in enumerate(ray.get(trainer.ranks.remote())):
         nodes[trainer_name if rank == 0 else f"{trainer_name}-rank-{rank}"] = node
-    return Placement(namespace=namespace, engines=engine_names, trainer=trainer_name, nodes=nodes)
+    return Placement(namespace=namespace, engines=engine_names, trainer=trainer_name, nodes=nodes,
+                     weight_bytes=ray.get(trainer.weight_bytes.remote()))
 
 
 def engine_placement_group(cfg: ReflowConfig) -> Any:

@@ -35,6 +35,7 @@ class RunRecord(BaseModel):
     tracking_uri: str
     mlflow_run_id: str | None = None
     nodes: dict[str, str] = {}  # actor name -> Ray node id it started on
+    weight_bytes: int = 0  # one full copy of the policy's weights, what each weight sync moves (0: not known)
 
 
 def new_run_id(cfg: ReflowConfig) -> str:

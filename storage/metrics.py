@@ -158,6 +158,7 @@ class StepTimes:
     usage_delta_version: int = field(metadata=group("storage"))  # the usage append's table version (-1: written by an earlier attempt)
     machine_cpu_idle_fraction: float | None = field(default=None, metadata=group("perf"))  # the whole machine's, since the previous step (None: unknown)
     sync_weights_seconds: float | None = None  # rounds: the blocking weight sync
+    sync_weights_bytes: int | None = field(default=None, metadata=group("perf"))  # one full copy of the weights, sent once per version to every engine (None: not known)
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,8 @@ def prepare(cfg: ReflowConfig, run_dir: str, run_id: str, resume: bool = False) 
     _TRACKERS[run_dir] = tracker
     write_record(RunRecord(run_id=run_id, run_dir=run_dir, store_root=store_root, model_dir=model_dir,
                            namespace=namespace, engines=placement.engines, trainer=placement.trainer,
-                           tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id, nodes=placement.nodes))
+                           tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id, nodes=placement.nodes,
+                           weight_bytes=placement.weight_bytes))
     if len(set(placement.nodes.values())) > 1:
         print("workers on " + ", ".join(f"{name}: node {node[:8]}" for name, node in placement.nodes.items()),
               flush=True)

@@ -22,6 +22,7 @@ def step_metrics(run_dir: str, scored: RolloutStats, updated: UpdateSummary, syn
     train = updated.train
     times = StepTimes(
         step_seconds=step_s, update_seconds=updated.seconds, sync_weights_seconds=synced.seconds,
+        sync_weights_bytes=context(run_dir).record.weight_bytes or None,
         generator_idle_fraction=max(0.0, 1.0 - scored.rollout_seconds / step_s),
         trainer_idle_fraction=max(0.0, 1.0 - train.trainer_seconds / step_s),
         generated_tokens=scored.generated_tokens,

@@ -325,6 +325,7 @@ class RaySelector:
             staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
             staleness_max=int(staleness.max()) if staleness.size else 0, policy_version=updated.version,
             samples=len(sel.trajectory_ids), machine_cpu_idle_fraction=step_cpu_idle(self.run_dir),
+            sync_weights_bytes=self.ctx.record.weight_bytes or None,
             usage_delta_version=updated.usage_delta_version if updated.usage_delta_version is not None else -1)
         stream = StreamStats(
             engine_tokens_per_s=tokens_d / max(busy_d, 1e-9), replay_share=sel.replay_share,

@@ -59,10 +59,11 @@ def test_measure_rejects_empty_settings() -> None:
         measure(_OneTokenPerStep(2), [[1]], concurrency=0, max_tokens=4, steps=1, warmup=0, tag="t")
 
 
-def test_bench_engine_refuses_bad_levels() -> None:
-    proc = subprocess.run([sys.executable, "-m", "reflow.cli.main", "bench-engine", "--concurrency", "8,x"],
+@pytest.mark.parametrize(("flag", "value"), [("--concurrency", "8,x"), ("--engines", "0,2"), ("--engines", "1,y")])
+def test_bench_engine_refuses_bad_levels(flag: str, value: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "reflow.cli.main", "bench-engine", flag, value],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--concurrency" in proc.stderr
+    assert proc.returncode == 2 and flag in proc.stderr
 
 
 @pytest.mark.vllm
@@ -72,7 +73,8 @@ def test_bench_engine_on_vllm(random_model_dir: Path, tmp_path: Path) -> None:
         [sys.executable, "-m", "reflow.cli.main", "bench-engine",
          "--set", f"model.path={json.dumps(str(random_model_dir))}", "--set", "model.dtype=\"float32\"",
          "--set", "rollout.engine=\"vllm\"", "--set", "rollout.max_response_tokens=32",
-         "--concurrency", "2,8", "--steps", "6", "--warmup", "2", "--prefill-tokens", "16", "--output", str(tmp_path)],
+         "--concurrency", "2,8", "--steps", "6", "--warmup", "2", "--prefill-tokens", "16", "--output", str(tmp_path),
+         "--engines", "1,2", "--pool-requests", "8"],
         capture_output=True, text=True, timeout=600, env={"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ})
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = json.loads((tmp_path / "bench_engine.json").read_text())
@@ -85,3 +87,10 @@ def test_bench_engine_on_vllm(random_model_dir: Path, tmp_path: Path) -> None:
     assert "tokens/s relative to 2 running" in proc.stdout
     [prefill] = figures["prefill"]
     assert prefill["requests"] == 8 and prefill["prompt_tokens"] == 16 and prefill["prefill_tokens_per_s"] > 0
+    # data-parallel engines: the same 8 requests on one engine actor, then dealt to two
+    one, two = figures["pool"]
+    assert (one["engines"], two["engines"]) == (1, 2) and one["requests"] == two["requests"] == 8
+    assert len(one["engine_seconds"]) == 1 and len(two["engine_seconds"]) == 2
+    assert one["tokens"] > 0 and two["tokens"] > 0 and two["vs_first"] == pytest.approx(
+        two["tokens_per_s"] / one["tokens_per_s"])
+    assert "tokens/s relative to 1 engine(s): 1: 1.00x, 2: " in proc.stdout

@@ -67,8 +67,11 @@ def test_smoke_run_end_to_end(tmp_path: Path) -> None:
     assert run.info.status == "FINISHED"
     for key in ("reward_mean", "accuracy", "response_length_p99", "loss", "kl", "entropy", "grad_norm",
                 "generated_tokens_per_s", "trained_tokens_per_s", "step_seconds", "rollout_seconds",
-                "update_seconds", "sync_weights_seconds"):
+                "update_seconds", "sync_weights_seconds", "sync_weights_bytes"):
         assert len(client.get_metric_history(run_id, mlflow_name(key))) == 3, key
+    weight_bytes = json.loads((run_dir / "run.json").read_text())["weight_bytes"]
+    assert weight_bytes > 0 and [m.value for m in client.get_metric_history(
+        run_id, mlflow_name("sync_weights_bytes"))] == [weight_bytes] * 3
     assert run.data.params["rollout.prompts_per_step"] == str(cfg["rollout"]["prompts_per_step"])
     top = {a.path for a in client.list_artifacts(run_id)}
     assert {"config", "final_model", "delta", "curves.png"} <= top
