@@ -328,13 +328,15 @@ class ConcurrencyConfig(_Section):
 
 
 class ResourcesConfig(_Section):
-    ray_address: str | None = Field(None, description="Ray cluster address; unset starts Ray locally.")
+    ray_address: str | None = Field(None, description="Ray cluster address; unset: RAY_ADDRESS if set, else a "
+                                    "local Ray of the run's own (even where a ray start cluster runs).")
     num_cpus: int | None = Field(None, ge=1, le=100_000, description="CPUs for a local Ray (unset: all).")
     engine_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per engine actor.")
     trainer_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per trainer actor.")
     engines: int = Field(1, ge=1, le=1024, description="Engine actors generating in data parallel, each "
                          "reserving engine_cpus and engine_gpus: streaming modes deal each group to the engine "
-                         "with the fewest requests in flight, plain rounds split a round's groups across them.")
+                         "with the fewest requests in flight, plain rounds split a round's groups across them, sorted rounds give the group "
+                         "at stream position g to engine g mod engines.")
     engine_placement: Literal["spread", "pack"] = Field("spread", description="How the engines' placement group "
                                                         "lays them over the cluster's nodes when engines > 1: "
                                                         "spread (one per node where possible) or pack.")
@@ -447,11 +449,9 @@ class ReflowConfig(_Section):
                 raise ValueError(f"rollout.scheduling={r.scheduling!r} needs mode.kind='sync' (the streaming modes "
                                  "already resume partial responses across updates: use 'sorted_partial' or 'plain' "
                                  "there)")
-        for extra in ("elastic_engines", "engines"):
-            count = getattr(self.resources, extra) - (extra == "engines")
-            if count and r.scheduling != "plain" and self.mode.kind == "sync":
-                raise ValueError(f"resources.{extra}={count + (extra == 'engines')} needs rollout.scheduling='plain' "
-                                 f"in mode 'sync' (a sorted round runs on one engine; got {r.scheduling!r})")
+        if self.resources.elastic_engines and r.scheduling != "plain" and self.mode.kind == "sync":
+            raise ValueError(f"resources.elastic_engines > 0 needs rollout.scheduling='plain' in mode 'sync' (a "
+                             f"sorted round runs on the main engines only; got {r.scheduling!r})")
         if self.env.kind == "tool_calc" and self.tools.max_calls == 0:
             raise ValueError("env.kind='tool_calc' needs tool calls: set tools.max_calls >= 1")
         if self.env.kind == "tool_calc" and self.env.max_operand < 100:

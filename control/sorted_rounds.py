@@ -136,6 +136,26 @@ class RoundGoal:
             return self.generated >= self.round_tokens and self.complete > 0
         return self.complete >= self.groups_needed
 
+    def share(self, groups: set[int], parts: int) -> RoundGoal:
+        """This goal's part for one of ``parts`` engines that generate ``groups`` (``PooledRoundEngine``).
+
+        The part tracks only its groups; it needs ``ceil(1 / parts)`` of the
+        completions the whole round still needs (``groups_needed`` minus the
+        groups already complete) and of ``round_tokens``, and keeps the pins
+        among its groups. Every part met means the whole goal is met (the
+        parts' completions add up to at least what was missing), so the
+        round ends when the slowest engine meets its part.
+        """
+        missing = {g: m for g, m in self.missing.items() if g in groups}
+        needed = math.ceil(max(0, self.groups_needed - self.complete) / parts)
+        part = RoundGoal(missing, complete=0, groups_needed=needed, pinned=self.pinned & groups,
+                         early_stop=self.early_stop, round_tokens=math.ceil(self.round_tokens / parts),
+                         prefix={rid: n for rid, n in self.prefix.items()
+                                 if SampleId.parse(rid).stream_position in groups}, park=self.park)
+        if self.early_stop == "tokens" and self.complete:
+            part.complete = 1  # one complete group is all the tokens rule asks for, and the round has one
+        return part
+
 
 class RoundEngine(Protocol):
     """What a round needs from the engine (an actor adapter or an in-process fake)."""
@@ -146,6 +166,47 @@ class RoundEngine(Protocol):
         """Generate from the front of ``queue``, engine full, until ``goal.met()``; abort the rest
         (``policies.rounds.run_round``)."""
         ...
+
+
+class PooledRoundEngine:
+    """A round over several engines: each group's requests go to engine ``stream position % len(engines)``.
+
+    The assignment is stable across rounds, so a response parked in an
+    engine (``RoundGoal.park``) is continued by the same engine next round.
+    Each engine gets its groups' requests in queue order and its share of
+    the goal (``RoundGoal.share``); ``gather(parts)`` runs every ``(engine,
+    queue, goal)`` part at once (a Ray adapter) or one after another (the
+    default, for in-process engines), and the runs merge into one
+    ``RoundRun`` with ``started_ids``: the round lasts as long as the slowest
+    engine, and the slots add up.
+    """
+
+    def __init__(self, engines: Sequence[RoundEngine],
+                 gather: Callable[[list[tuple[RoundEngine, list[GenRequest], RoundGoal]]], list[RoundRun]] | None = None,
+                 ) -> None:
+        if not engines:
+            raise ValueError("a pooled round needs at least one engine")
+        self.engines = list(engines)
+        self.max_sequences = sum(e.max_sequences for e in self.engines)
+        self.gather = gather or (lambda parts: [engine.run_round(q, g) for engine, q, g in parts])
+
+    def run_round(self, queue: Sequence[GenRequest], goal: RoundGoal) -> RoundRun:
+        n = len(self.engines)
+        queues: list[list[GenRequest]] = [[] for _ in range(n)]
+        for request in queue:
+            queues[SampleId.parse(request.request_id).stream_position % n].append(request)
+        groups = [{SampleId.parse(r.request_id).stream_position for r in q} for q in queues]
+        parts = [(engine, q, goal.share(g, n)) for engine, q, g in zip(self.engines, queues, groups) if q]
+        runs = self.gather(parts)
+        started: list[str] = []
+        for (_, q, _), run in zip(parts, runs):
+            started += [r.request_id for r in q[:run.started]]
+        return RoundRun(finished=[r for run in runs for r in run.finished],
+                        aborted=[r for run in runs for r in run.aborted], started=len(started),
+                        seconds=max((run.seconds for run in runs), default=0.0),
+                        busy_slot_seconds=sum(run.busy_slot_seconds for run in runs),
+                        steps=max((run.steps for run in runs), default=0),
+                        continued=tuple(rid for run in runs for rid in run.continued), started_ids=tuple(started))
 
 
 class SortedScheduler:
@@ -209,9 +270,16 @@ class SortedScheduler:
         run = engine.run_round(queue, self._goal(queue, new))
         wall = self.clock.now() - start
         continued = set(run.continued)  # parked requests beyond ``run.started`` ran on as well
-        started = queue[: run.started] + [r for r in queue[run.started:] if r.request_id in continued]
+        if run.started_ids is None:
+            started = queue[: run.started] + [r for r in queue[run.started:] if r.request_id in continued]
+        else:  # several engines: each took a prefix of its own part of the queue
+            taken = set(run.started_ids) | continued
+            started = [r for r in queue if r.request_id in taken]
         prefilled = [r for r in started if r.request_id not in continued]
-        for g in sorted({ids[r.request_id][0] for r in started} & set(new)):  # a prefix of ``new``
+        opened = {ids[r.request_id][0] for r in started} & set(new)
+        # One engine starts new prompts in stream order, so ``opened`` is a prefix of ``new``; several may start
+        # a later one before an earlier one: every new prompt up to the last started opens (no gap in the stream).
+        for g in (g for g in new if opened and g <= max(opened)):
             self.groups[g] = GroupState(g)
             self.next_group = g + 1
         prefix = {r.request_id: len(r.resume_tokens) for r in started}

@@ -60,16 +60,23 @@ _HANDLES: dict[str, list[Any]] = {}
 
 
 def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
-    """Join the configured cluster, or start a quiet local Ray."""
+    """Join ``resources.ray_address`` (or ``RAY_ADDRESS``), or start a quiet local Ray of the run's own.
+
+    ``ray.init()`` without an address joins the cluster a ``ray start`` on
+    this machine last started; reflow asks for ``"local"`` instead, so an
+    unset address means a Ray of the run's own, as documented, whatever
+    else runs here.
+    """
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": verbose,
                               "configure_logging": True, "logging_level": "warning"}
-    if cfg.resources.ray_address:
-        ray.init(address=cfg.resources.ray_address, **kwargs)
+    address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=cfg.resources.num_cpus, include_dashboard=False, **kwargs)
+        ray.init(address="local", num_cpus=cfg.resources.num_cpus, include_dashboard=False, **kwargs)
     interrupt_on_signals()  # Ray replaced the handler
 
 

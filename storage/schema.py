@@ -284,6 +284,9 @@ class RoundRun:
     busy_slot_seconds: float  # sum over engine steps of (sequences decoding x step time)
     steps: int  # engine steps taken
     continued: tuple[str, ...] = ()  # queued requests found still running in the engine (parked by the last round)
+    # Several engines (``control.sorted_rounds.PooledRoundEngine``): the ids of the requests that reached an
+    # engine, which are then not a prefix of the round's queue (``started`` counts them). None: the prefix.
+    started_ids: tuple[str, ...] | None = None
 
 
 # --- Arrow schemas of the storage records --------------------------------------------------------------

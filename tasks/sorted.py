@@ -16,7 +16,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from reflow.control.clock import SystemClock
-from reflow.control.sorted_rounds import RoundGoal, SortedScheduler
+from reflow.control.sorted_rounds import PooledRoundEngine, RoundEngine, RoundGoal, SortedScheduler
 from reflow.infra.placement import actor
 from reflow.storage import queries
 from reflow.storage.metrics import RolloutStats
@@ -35,6 +35,19 @@ class RayRoundEngine:
 
     def run_round(self, requests: Sequence[GenRequest], goal: RoundGoal) -> RoundRun:
         return ray.get(self.handle.run_round.remote(list(requests), goal))
+
+
+def _gather(parts: list[tuple[RayRoundEngine, list[GenRequest], RoundGoal]]) -> list[RoundRun]:
+    """Every engine's part of a pooled round at once (``PooledRoundEngine``)."""
+    return ray.get([engine.handle.run_round.remote(queue, goal) for engine, queue, goal in parts])
+
+
+def round_engine(ctx: TaskContext) -> RoundEngine:
+    """The run's main engines as one ``RoundEngine`` (``resources.engines``; elastic engines take no part)."""
+    max_sequences = ctx.cfg.rollout.max_concurrent_sequences
+    engines = [RayRoundEngine(actor(name, ctx.record.namespace), max_sequences)
+               for name in ctx.record.engines[:ctx.cfg.resources.engines]]
+    return engines[0] if len(engines) == 1 else PooledRoundEngine(engines, _gather)
 
 
 def _scheduler(ctx: TaskContext, run_dir: str) -> SortedScheduler:
@@ -74,8 +87,7 @@ def sorted_round(run_dir: str, step: int) -> RolloutStats:
     if written_before(ctx, step):  # a resumed run: the round and its cache snapshot are already in Delta
         return summary_of_written(ctx, step, ctx.clock.now())
     sched = _scheduler(ctx, run_dir)
-    engine = RayRoundEngine(actor(ctx.record.engines[0], ctx.record.namespace), ctx.cfg.rollout.max_concurrent_sequences)
-    result = sched.run_round(engine)
+    result = sched.run_round(round_engine(ctx))
     start = ctx.clock.now()
     items = []
     for g, samples in result.trainable.items():  # shortest groups first

@@ -98,14 +98,14 @@ def test_tools_cross_checks() -> None:
         load_config(None, [*base, "rollout.scheduling=sorted_on_policy"])
 
 
-@pytest.mark.parametrize("extra", ["elastic_engines=1", "engines=2"])
-def test_more_engines_need_plain_rounds_in_sync(extra: str) -> None:
-    field, value = extra.split("=")
-    assert getattr(load_config(None, [f"resources.{extra}"]).resources, field) == int(value)
-    assert getattr(load_config(None, [f"resources.{extra}", "mode.kind=reflow",
-                                      "rollout.scheduling=sorted_partial"]).resources, field) == int(value)
-    with pytest.raises(ConfigError, match=f"resources.{extra} needs rollout.scheduling='plain' in mode 'sync'"):
-        load_config(None, [f"resources.{extra}", "rollout.scheduling=sorted_partial"])
+def test_elastic_engines_need_plain_rounds() -> None:
+    assert load_config(None, ["resources.elastic_engines=1"]).resources.elastic_engines == 1
+    assert load_config(None, ["resources.elastic_engines=1", "mode.kind=reflow",
+                              "rollout.scheduling=sorted_partial"]).resources.elastic_engines == 1
+    with pytest.raises(ConfigError, match="resources.elastic_engines > 0 needs rollout.scheduling='plain'"):
+        load_config(None, ["resources.elastic_engines=1", "rollout.scheduling=sorted_partial"])
+    # several main engines run sorted rounds together (control.sorted_rounds.PooledRoundEngine)
+    assert load_config(None, ["resources.engines=2", "rollout.scheduling=sorted_partial"]).resources.engines == 2
     with pytest.raises(ConfigError, match="resources.elastic_engines"):
         load_config(None, ["resources.elastic_engines=-1"])
 

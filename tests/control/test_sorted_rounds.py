@@ -251,3 +251,55 @@ def test_partial_mode_never_pins_a_round_on_a_long_prompt_and_on_policy_does() -
         longest = max(sched.run_round(engine).stats.seconds for _ in range(6))
         assert (longest >= 120 / 4 * 0.05) == waits, mode  # waiting for group 1 takes 30 windows
 
+
+
+@pytest.mark.parametrize("mode", ["partial", "on_policy"])
+@pytest.mark.parametrize("max_sequences", [64, 3])  # 3 slots each: the engines start new prompts out of order
+def test_a_round_over_two_engines_loses_and_duplicates_no_prompt(mode: str, max_sequences: int) -> None:
+    """Each group goes to engine ``position % 2``; every new prompt up to the last one started opens."""
+    from reflow.control.sorted_rounds import PooledRoundEngine
+
+    clock = VirtualClock()
+    targets = _targets(2)
+    engines = [FakeEngine(clock, targets, max_sequences=max_sequences) for _ in range(2)]
+    pool = PooledRoundEngine(engines)
+    assert pool.max_sequences == 2 * max_sequences
+    sched = SortedScheduler(groups_per_step=4, samples_per_group=2, oversubscription=2.0, mode=mode,
+                            make_request=_make_request(engines[0]), clock=clock)
+    trained: Counter[int] = Counter()
+    gaps = 0  # prompts opened in a round in which none of their samples started (a later prompt's did)
+    for _ in range(25):
+        before = sched.next_group
+        result = sched.run_round(pool)
+        started = {int(r.request_id.split("/")[0][1:]) for e in engines for r in e.submitted}
+        gaps += sum(g not in started for g in range(before, sched.next_group))
+        assert all(len(v) == 2 for v in result.trainable.values())
+        assert len(result.trainable) >= 4 if mode == "on_policy" else len(result.trainable) == 4
+        trained.update(result.trainable.keys())
+        for engine in engines:
+            engine.version += 1
+        assert all(g < sched.next_group for g in sched.groups)
+        for i, engine in enumerate(engines):  # the assignment by stream position
+            assert {int(r.request_id.split("/")[0][1:]) % 2 for r in engine.submitted} <= {i}
+    submitted = {int(r.request_id.split("/")[0][1:]) for e in engines for r in e.submitted}
+    assert submitted <= set(range(sched.next_group)) and max(submitted) == sched.next_group - 1
+    assert (gaps > 0) == (max_sequences == 3), gaps  # few slots: the engines do start prompts out of order
+    assert max(trained.values()) == 1, "a prompt was trained twice"
+    assert set(trained) | set(sched.groups) == set(range(sched.next_group)), "a prompt was lost"
+    assert not set(trained) & set(sched.groups)
+
+
+def test_a_goal_shared_by_two_engines_is_met_when_both_parts_are() -> None:
+    from reflow.control.sorted_rounds import RoundGoal
+
+    goal = RoundGoal({0: 2, 1: 2, 2: 1, 3: 2, 4: 0}, complete=1, groups_needed=4, pinned={3},
+                     early_stop="groups", round_tokens=0, prefix={"g2/p2/0": 5, "g3/p3/1": 7})
+    even, odd = goal.share({0, 2, 4}, 2), goal.share({1, 3}, 2)
+    assert even.missing == {0: 2, 2: 1, 4: 0} and odd.missing == {1: 2, 3: 2}
+    assert even.groups_needed == odd.groups_needed == 2  # ceil((4 - 1) / 2)
+    assert even.pinned == set() and odd.pinned == {3}
+    assert even.prefix == {"g2/p2/0": 5} and odd.prefix == {"g3/p3/1": 7}
+    tokens = RoundGoal({0: 1, 1: 1}, complete=1, groups_needed=4, pinned=set(), early_stop="tokens",
+                       round_tokens=101, prefix={})
+    part = tokens.share({0}, 2)
+    assert part.round_tokens == 51 and part.complete == 1  # the round already has its one complete group

@@ -20,7 +20,8 @@ from reflow.storage.metrics import mlflow_name
 
 from .test_rl_train_e2e import REPO
 
-MODES = [("sync", "plain"), ("one_step_off", "plain"), ("async", "plain"), ("reflow", "sorted_partial")]
+MODES = [("sync", "plain"), ("one_step_off", "plain"), ("async", "plain"), ("reflow", "sorted_partial"),
+         ("sync", "sorted_partial")]  # the last: SortedRL rounds over both engines, one rollout cache
 
 
 @pytest.mark.slow
@@ -34,6 +35,7 @@ def test_every_mode_runs_with_two_engines_and_two_trainer_ranks_over_two_nodes(t
         cluster.wait_for_nodes()
         out = tmp_path / "runs"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(tmp_path / "prefect")}
+        seen: set[Path] = set()
         for mode, scheduling in MODES:
             proc = subprocess.run(
                 [sys.executable, "-m", "reflow.cli.main", "run", "--config", str(REPO / "configs/smoke.toml"),
@@ -45,8 +47,8 @@ def test_every_mode_runs_with_two_engines_and_two_trainer_ranks_over_two_nodes(t
                  "--set", "resources.trainer_ranks=2", "--set", "resources.trainer_cpus=0.5"],
                 cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
             assert proc.returncode == 0, (mode, proc.stdout[-3000:] + proc.stderr[-3000:])
-            (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file() and mode in
-                          json.loads((p / "config.json").read_text())["mode"]["kind"]]
+            (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file() and p not in seen]
+            seen.add(run_dir)
             record = json.loads((run_dir / "run.json").read_text())
             nodes = record["nodes"]
             print(mode, scheduling, {name: node[:8] for name, node in nodes.items()})
@@ -61,6 +63,10 @@ def test_every_mode_runs_with_two_engines_and_two_trainer_ranks_over_two_nodes(t
             ids = rows["trajectory_id"].to_pylist()
             assert len(set(ids)) == len(ids) and len(ids) >= (2 * per_step if mode in ("sync", "one_step_off")
                                                               else per_step), (mode, len(ids))
+            if scheduling == "sorted_partial" and mode == "sync":  # group g is engine g % 2's: both generated
+                cache = DeltaTable(str(run_dir / "tables/rollout_cache")).to_pyarrow_dataset().to_table()
+                positions = {int(t.split("/")[1][1:]) for t in ids} | set(cache["group_index"].to_pylist())
+                assert {g % 2 for g in positions if g >= 0} == {0, 1}, positions
             usage = DeltaTable(str(run_dir / "tables/usage")).to_pyarrow_dataset().to_table()
             assert sorted(set(usage["trainer_step"].to_pylist())) == [0, 1], mode  # contiguous
             assert set(usage["trajectory_id"].to_pylist()) <= set(ids), mode
