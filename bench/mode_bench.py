@@ -75,6 +75,9 @@ class ModeResult:
     cpu_idle: float | None = None  # share of the machine's CPU time idle over the steps (None: not measured)
     data_curve: list[tuple[float, float]] = field(default_factory=list)  # (new samples so far, accuracy), raw
     samples_to_target: float | None = None  # new samples trained on when the target was reached (None: never)
+    # shares of the machine's CPU over the steps: the driver process, the Prefect API server (None: not measured)
+    driver_cpu: float | None = None
+    prefect_server_cpu: float | None = None
 
     @property
     def new_samples_per_s_to_target(self) -> float | None:
@@ -161,7 +164,9 @@ def summarise(mode: str, seed: int, run_dir: str | Path, target: float | None,
         bubble_ratio=_mean(ran, "rollout_bubble_ratio") if any("rollout_bubble_ratio" in r.metrics for r in steps)
         else None, eval_curve=curve, smooth_evals=smooth_evals, new_samples=int(new),
         trainer_idle_wall=trainer_idle_wall(steps), cpu_idle=machine_cpu_idle(steps), data_curve=data,
-        samples_to_target=_reached(data, smooth_evals, target))
+        samples_to_target=_reached(data, smooth_evals, target),
+        driver_cpu=_wall_weighted(steps, "driver_cpu_fraction"),
+        prefect_server_cpu=_wall_weighted(steps, "prefect_server_cpu_fraction"))
 
 
 def trainer_idle_wall(steps: list[StepRecord]) -> float:
@@ -288,8 +293,9 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
                   "generator_idle", "staleness_mean", "replay_share", "steps", "new_samples")}
         bubbles = [r.bubble_ratio for r in rs if r.bubble_ratio is not None]
         entry["bubble_ratio"] = _spread(bubbles) if bubbles else None
-        cpu = [r.cpu_idle for r in rs if r.cpu_idle is not None]
-        entry["cpu_idle"] = _spread(cpu) if cpu else None
+        for key in ("cpu_idle", "driver_cpu", "prefect_server_cpu"):
+            values = [getattr(r, key) for r in rs if getattr(r, key) is not None]
+            entry[key] = _spread(values) if values else None
         entry["time_to_target_s"] = _spread(reached) if len(reached) == len(rs) else None
         data = [r.samples_to_target for r in rs if r.samples_to_target is not None]
         entry["samples_to_target"] = _spread(data) if len(data) == len(rs) else None
@@ -407,7 +413,7 @@ def table(summary: dict[str, dict]) -> str:
     """The per-mode table printed at the end of ``reflow bench``."""
     head = (f"{'mode':<17}{'to target s':>12}{'vs sync':>8}{'final acc':>10}{'gen tok/s':>10}{'engine tok/s':>13}"
             f"{'train tok/s':>12}"
-            f"{'trainer idle':>13}{'(wall)':>7}{'gen idle':>9}{'cpu idle':>9}{'stale':>6}{'replay':>7}{'bubble':>7}"
+            f"{'trainer idle':>13}{'(wall)':>7}{'gen idle':>9}{'cpu idle':>9}{'ctl cpu':>8}{'stale':>6}{'replay':>7}{'bubble':>7}"
             f"{'new smp to tgt':>15}{'new smp/s to tgt':>17}")
     rows = [head, "-" * len(head)]
     for mode, e in summary.items():
@@ -420,6 +426,8 @@ def table(summary: dict[str, dict]) -> str:
                     f"{e['trainer_idle']['mean']:>12.0%} {e['trainer_idle_wall']['mean']:>6.0%}"
                     f" {e['generator_idle']['mean']:>8.0%}"
                     + (f" {e['cpu_idle']['mean']:>8.0%}" if e.get("cpu_idle") else f"{'-':>9}")
+                    + (f" {e['driver_cpu']['mean'] + e['prefect_server_cpu']['mean']:>7.1%}"
+                       if e.get("driver_cpu") and e.get("prefect_server_cpu") else f"{'-':>8}")
                     + f"{e['staleness_mean']['mean']:>6.2f}{e['replay_share']['mean']:>7.0%}"
                     + (f"{e['bubble_ratio']['mean']:>7.0%}" if e["bubble_ratio"] else f"{'-':>7}")
                     + (f"{e['samples_to_target']['mean']:>15.0f}" if e.get("samples_to_target") else f"{'-':>15}")

@@ -64,6 +64,14 @@ for pid in targets:
 """
 
 
+_SERVER_PID: int | None = None  # the server start_ephemeral_server started in this process
+
+
+def prefect_server_pid() -> int | None:
+    """The pid of the Prefect API server this process started (None: none, or one it did not start)."""
+    return _SERVER_PID
+
+
 def start_ephemeral_server() -> int | None:
     """Start Prefect's ephemeral API server and its watchdog; the server's pid (None with ``PREFECT_API_URL``)."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
@@ -76,7 +84,8 @@ def start_ephemeral_server() -> int | None:
     server.start()
     if server.server_process is None:
         return None
-    pid = server.server_process.pid
+    global _SERVER_PID
+    pid = _SERVER_PID = server.server_process.pid
     subprocess.Popen([sys.executable, "-I", "-c", WATCHDOG, str(os.getpid()), str(pid)],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return pid

@@ -157,6 +157,8 @@ class StepTimes:
     samples: int = field(metadata=group("batch"))  # trajectories trained on
     usage_delta_version: int = field(metadata=group("storage"))  # the usage append's table version (-1: written by an earlier attempt)
     machine_cpu_idle_fraction: float | None = field(default=None, metadata=group("perf"))  # the whole machine's, since the previous step (None: unknown)
+    driver_cpu_fraction: float | None = field(default=None, metadata=group("perf"))  # share of the machine's CPU the driver process used since the previous step (orchestration, appends, queries, tracking)
+    prefect_server_cpu_fraction: float | None = field(default=None, metadata=group("perf"))  # likewise, the Prefect API server the command started (None: not known)
     sync_weights_seconds: float | None = None  # rounds: the blocking weight sync
     sync_weights_bytes: int | None = field(default=None, metadata=group("perf"))  # one full copy of the weights, sent once per version to every engine (None: not known)
 

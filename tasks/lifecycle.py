@@ -173,9 +173,9 @@ def recorded_baseline(run_dir: str) -> EvalStats | None:
     return None
 
 
-@task(name="track", cache_policy=NO_CACHE)
-def track(run_dir: str, record: StepRecord) -> None:
-    """Log one step to MLflow and ``steps.jsonl`` and print the progress line."""
+def log_step(run_dir: str, record: StepRecord) -> None:
+    """Log one step to MLflow and ``steps.jsonl`` and print the progress line (streaming modes call it plainly,
+    in ``TrackQueue``'s thread; round modes as the ``track`` task)."""
     ctx = context(run_dir)
     logged = _LOGGED.get(run_dir, {})
     fresh = {k: v for k, v in record.metrics.items() if record.step not in logged.get(k, ())}
@@ -186,11 +186,13 @@ def track(run_dir: str, record: StepRecord) -> None:
     print(report.progress_line(record, ctx.cfg.run.total_steps), flush=True)
 
 
-class TrackQueue:
-    """``track`` in one background thread, in submission order (the streaming selector's logging).
+track = task(name="track", cache_policy=NO_CACHE)(log_step)  # round modes: one task run per step
 
-    The selector's next update need not wait for MLflow, ``steps.jsonl``
-    and a Prefect task run. ``drain`` waits for what was submitted and
+
+class TrackQueue:
+    """``log_step`` in one background thread, in submission order (the streaming selector's logging).
+
+    The selector's next update need not wait for MLflow and ``steps.jsonl``. ``drain`` waits for what was submitted and
     raises the first error a logging call hit; call it before anything that
     makes a step final (a checkpoint) or reads the log (deferred evaluation).
     """
@@ -205,7 +207,7 @@ class TrackQueue:
             self._pending.remove(future)
             future.result()  # a failed log stops the run at the next step, not at the end
         # the Prefect flow run travels in the context, as for the feeder thread
-        self._pending.append(self._pool.submit(contextvars.copy_context().run, track, run_dir, record))
+        self._pending.append(self._pool.submit(contextvars.copy_context().run, log_step, run_dir, record))
 
     def drain(self) -> None:
         pending, self._pending = self._pending, []

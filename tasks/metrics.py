@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from reflow.storage.metrics import EvalStats, RolloutStats, StepMetrics, StepRecord, StepTimes
-from reflow.tasks.context import context, step_clock, step_cpu_idle
+from reflow.tasks.context import context, step_clock, step_control_cpu, step_cpu_idle
 from reflow.tasks.update import SyncSummary, UpdateSummary
 
 
@@ -19,6 +19,7 @@ def step_metrics(run_dir: str, scored: RolloutStats, updated: UpdateSummary, syn
     """
     elapsed, step_s = step_clock(run_dir, context(run_dir).clock.now())
     step_s = max(step_s, 1e-9)
+    driver_cpu, server_cpu = step_control_cpu(run_dir)
     train = updated.train
     times = StepTimes(
         step_seconds=step_s, update_seconds=updated.seconds, sync_weights_seconds=synced.seconds,
@@ -32,6 +33,7 @@ def step_metrics(run_dir: str, scored: RolloutStats, updated: UpdateSummary, syn
                              if context(run_dir).cfg.resources.elastic_engines else None),
         staleness_mean=updated.staleness_mean, staleness_max=updated.staleness_max, policy_version=updated.version,
         samples=scored.samples, machine_cpu_idle_fraction=step_cpu_idle(run_dir),
+        driver_cpu_fraction=driver_cpu, prefect_server_cpu_fraction=server_cpu,
         usage_delta_version=updated.usage_delta_version if updated.usage_delta_version is not None else -1)
     train = dataclasses.replace(train, trainer_batch_prefetched=None)  # rounds never prefetch: not a metric here
     metrics = StepMetrics(batch=scored.batch, train=train, times=times, rollout=scored, evaluation=evaluated,

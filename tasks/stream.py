@@ -1,8 +1,8 @@
 """Tasks and loop backends of the streaming modes (``async``, ``reflow``).
 
 The control plane (``control.streaming``) drives two backends built here:
-``RayFeeder`` (the engine actor and the ``write_groups`` task) and
-``RaySelector`` (the buffer's query, the ``start_update`` and ``push_weights`` tasks).
+``RayFeeder`` (the engine actors and the appends, ``write_groups``) and
+``RaySelector`` (the buffer's query, the ``start_update`` task and the weight push).
 Group ``g`` of the stream is train prompt ``g`` (the same prompts, in the same
 order, that the sync modes use), with round tag ``g<g>`` (``storage.schema.SampleId``).
 """
@@ -16,8 +16,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import ray
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from reflow.control.concurrency import ConcurrencyController
 from reflow.control.feeder import Drained, Finished
@@ -31,7 +29,7 @@ from reflow.storage.metrics import StepMetrics, StepTimes, StreamStats
 from reflow.storage.replay import ReplayPolicy, ReplaySelection, select_batch
 from reflow.storage.schema import SampleId, group_stream_position, stream_tag
 from reflow.storage.store import TRAJECTORIES, USAGE
-from reflow.tasks.context import TaskContext, context, mark_origin, step_clock, step_cpu_idle
+from reflow.tasks.context import TaskContext, context, mark_origin, step_clock, step_control_cpu, step_cpu_idle
 from reflow.tasks.rollout import requests_for, scored_records
 from reflow.tasks.update import PendingUpdate, UpdateSummary, finish_update, prefetch_batch, push_weights, start_update
 
@@ -50,16 +48,16 @@ def group_of(request_id: str) -> int:
     return SampleId.parse(request_id).stream_position
 
 
-@task(name="write_groups", cache_policy=NO_CACHE)
-def write_groups(run_dir: str, chunk: int, results: Any) -> WriteSummary:
-    """Score whole groups (a Ray reference to their ``GenResult``s) and append them as chunk ``chunk``.
+def write_groups(run_dir: str, chunk: int, finished: Sequence[Any]) -> WriteSummary:
+    """Score whole groups (their ``GenResult``s) and append them as chunk ``chunk``.
 
     The append carries the application transaction ``(run_id:trajectories,
-    chunk)``, so a retried chunk writes nothing twice.
+    chunk)``, so a retried chunk writes nothing twice. A plain call in the
+    feeder's thread, not a Prefect task: a streaming step is one task run
+    (docs/concepts.md "The control plane's CPU").
     """
     ctx = context(run_dir)
     start = ctx.clock.now()
-    finished = ray.get(results)
     groups = sorted({group_of(r.request_id) for r in finished})
     prompts = {g: ctx.env.prompts("train", start=g, count=1)[0] for g in groups}
     tokens = dict(zip(groups, ctx.tokenizer([prompts[g].text for g in groups],
@@ -125,7 +123,7 @@ class PendingRequests:
 
 
 class RayFeeder:
-    """``FeederBackend`` over the run's engine actors and the ``write_groups`` task.
+    """``FeederBackend`` over the run's engine actors and ``write_groups``.
 
     With elastic engines (``resources.elastic_engines``) each new group goes
     to the engine with the fewest requests in flight, and every engine is
@@ -198,7 +196,7 @@ class RayFeeder:
 
     def write(self, chunk: int, groups: dict[int, list[Finished]]) -> None:
         results = [f.result for g in sorted(groups) for f in groups[g]]
-        self.last_write = write_groups(self.run_dir, chunk, ray.put(results))
+        self.last_write = write_groups(self.run_dir, chunk, results)
 
     def abandon(self, groups: Sequence[int]) -> None:
         drop = set(groups)
@@ -303,6 +301,7 @@ class RaySelector:
         concurrency of one streaming step."""
         elapsed, step_s = step_clock(self.run_dir, self.ctx.clock.now())
         step_s = max(step_s, 1e-9)
+        driver_cpu, server_cpu = step_control_cpu(self.run_dir)
         with self.state.cond:
             busy, tokens = self.state.engine_busy_s, self.state.generated_tokens
             expired, abandoned = self.state.groups_expired, self.state.groups_abandoned
@@ -325,6 +324,7 @@ class RaySelector:
             staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
             staleness_max=int(staleness.max()) if staleness.size else 0, policy_version=updated.version,
             samples=len(sel.trajectory_ids), machine_cpu_idle_fraction=step_cpu_idle(self.run_dir),
+            driver_cpu_fraction=driver_cpu, prefect_server_cpu_fraction=server_cpu,
             sync_weights_bytes=self.ctx.record.weight_bytes or None,
             usage_delta_version=updated.usage_delta_version if updated.usage_delta_version is not None else -1)
         stream = StreamStats(

@@ -136,12 +136,14 @@ def sync_weights(run_dir: str, version: int) -> SyncSummary:
     return SyncSummary(version=version, seconds=ctx.clock.now() - start)
 
 
-@task(name="push_weights", cache_policy=NO_CACHE)
 def push_weights(run_dir: str, version: int, weights: Any = None) -> None:
     """Send the trainer's weights (or ``weights``, a reference to them) to every engine; return at once.
 
     Streaming modes. The engine loads them between two drain windows; the
     weights go trainer -> object store -> engine, never through this process.
+    A plain call, not a Prefect task: it is one actor call per engine, and a
+    task run of its own cost the driver and the Prefect server more CPU than
+    the push (docs/concepts.md "The control plane's CPU").
     """
     ctx = context(run_dir)
     if weights is None:

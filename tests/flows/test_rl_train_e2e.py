@@ -193,7 +193,7 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
         for key in ("trainer_idle_fraction", "generator_idle_fraction", "staleness_mean", "staleness_max",
                     "replay_share", "reuse_mean", "fresh_samples", "stale_samples", "replayed_samples",
                     "concurrency_target", "generated_tokens_per_s", "trained_tokens_per_s",
-                    "machine_cpu_idle_fraction"):
+                    "machine_cpu_idle_fraction", "driver_cpu_fraction", "prefect_server_cpu_fraction"):
             assert len(client.get_metric_history(run_id, mlflow_name(key))) == n_steps[mode], (mode, key)
         assert len(client.get_metric_history(run_id, mlflow_name("eval_accuracy"))) == math.ceil(n_steps[mode] / 2)
 
@@ -214,6 +214,7 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
         states = db.execute("SELECT name, state_type FROM flow_run").fetchall()
         tasks = [name.rsplit("-", 1)[0] for (name,) in db.execute("SELECT name FROM task_run")]
     assert all(state == "COMPLETED" for _, state in states), states
-    streamed = n_steps["async"] + n_steps["reflow"]  # one push per step of the streaming modes
-    assert tasks.count("write_groups") >= streamed and tasks.count("push_weights") == streamed
+    streamed = n_steps["async"] + n_steps["reflow"]  # a streaming step is one task run: appends, push, log plain
+    assert tasks.count("start_update") == streamed and not {"write_groups", "push_weights"} & set(tasks)
+    assert tasks.count("track") == sum(n for mode, n in n_steps.items() if mode not in ("async", "reflow"))
     assert tasks.count("rollout_sorted") == 6

@@ -1,7 +1,7 @@
 """End to end per workload: a few steps of the math and code demos through the real CLI, vLLM, Ray, Delta, MLflow.
 
 math runs sync (scoring in the ``score`` task); code runs async, so its programs are scored by the
-streaming feeder's ``write_groups`` task, fanned out as Ray tasks.
+streaming feeder's ``write_groups``, fanned out as Ray tasks.
 """
 
 from __future__ import annotations

@@ -51,6 +51,25 @@ def test_step_cpu_idle_is_unknown_before_the_origin_and_measured_after(tmp_path:
         assert share is None
 
 
+def test_the_driver_s_cpu_share_is_its_process_time_over_the_machine_s(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from reflow.tasks import context
+
+    run_dir = str(tmp_path / "driver")
+    assert context.step_control_cpu(run_dir) == (None, None)  # no origin marked in this process
+    context.mark_origin(run_dir, 0.0)
+    start = time.process_time()
+    while time.process_time() - start < 0.3:  # this thread busy: about one core's worth
+        pass
+    time.sleep(0.3)  # then idle as long
+    share, server = context.step_control_cpu(run_dir)
+    assert server is None  # no Prefect server started by this process
+    cores = os.cpu_count() or 1
+    assert 0.1 / cores < share < 0.75 / cores, share  # at most half of one core over the wall time; less when busy
+
+
 def test_the_bench_weighs_each_step_s_idle_share_by_its_length(tmp_path: Path) -> None:
     run_dir = tmp_path / "r"
     run_dir.mkdir()

@@ -17,7 +17,7 @@ def test_steps_are_logged_in_order_off_the_calling_thread(monkeypatch) -> None:
         time.sleep(0.01 * (5 - record))  # earlier steps take longer: order must still hold
         seen.append((record, threading.current_thread().name))
 
-    monkeypatch.setattr(lifecycle, "track", slow_track)
+    monkeypatch.setattr(lifecycle, "log_step", slow_track)
     queue = lifecycle.TrackQueue()
     for step in range(5):
         queue.submit("run", step)  # type: ignore[arg-type]
@@ -36,7 +36,7 @@ def test_a_failed_log_surfaces_at_the_next_submit_or_drain(monkeypatch) -> None:
         if record == 2:
             after_failure.set()
 
-    monkeypatch.setattr(lifecycle, "track", failing_track)
+    monkeypatch.setattr(lifecycle, "log_step", failing_track)
     queue = lifecycle.TrackQueue()
     queue.submit("run", 0)  # type: ignore[arg-type]
     queue.submit("run", 1)  # type: ignore[arg-type]
