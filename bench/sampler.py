@@ -10,7 +10,8 @@ Arrow appends (not per-row records) and then compacted and checkpointed by
 ``store.compact()``. It then times ``select_batch`` at the newest trainer
 version, alternating the two replay orders, once with a new store (every
 table opened afresh) per query and once through one store that keeps its
-tables open, as a run's selector does, and returns JSON-serialisable figures
+tables open, as a run's selector does, appending a version and its usage
+between selections as a run does; it returns JSON-serialisable figures
 (``reflow bench-sampler``).
 """
 
@@ -20,7 +21,6 @@ import datetime as dt
 import shutil
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -163,54 +163,102 @@ def _append(store: DeltaTrajectoryStore, name: str, data: pa.Table) -> None:
                     name=spec.name)
 
 
-def bench_sampler(rows: int, root: str, versions: int = 250, queries: int = 50, samples_per_prompt: int = 8,
+def bench_sampler(rows: int, root: str, rows_per_version: int = 4000, queries: int = 50, samples_per_prompt: int = 8,
                   groups_needed: int = 64, max_staleness: int = 4, appends: int = 4, compact: bool = True,
                   rebuild: bool = False) -> dict[str, object]:
     """Build (or reuse) a ``rows``-trajectory buffer under ``root`` and time ``select_batch`` on it.
 
-    Defaults: 250 versions of 500 groups of 8 (4,000 rows per version), a
-    64-group batch, staleness bound 4, replay ratio 0.25, reuse cap 2. Each
-    selection is timed twice over: through a new store per query (both
-    tables opened and their logs read each time) and through one store that
-    keeps them open (only new commits are read). Returns ``{rows, usage_rows,
-    files, build timings, open_per_query: {p50_ms, p95_ms, max_ms, ...},
-    kept_open: {...}}``.
+    The table grows as a run's does, by versions: ``rows_per_version`` rows
+    each (default 4,000: 500 groups of 8, the shape of the issue's 1M-row
+    figures), so ``rows / rows_per_version`` versions. A 64-group batch,
+    staleness bound 4, replay ratio 0.25, reuse cap 2, the two replay orders
+    in turn. Two figures:
+
+    - ``kept_open``: one store, as a run's selector keeps it. Each query is
+      a step: one new version of trajectories is appended, the selection at
+      that version is timed, its usage rows are appended (appends untimed,
+      ``append_ms`` their mean). The first selection reads the window from
+      the tables (``first_ms``); later ones use what the commits fed it.
+    - ``open_per_query``: a new store per selection, so the window is read
+      from the tables each time: what the first selection of a process (a
+      resumed run) pays once.
+
+    Returns ``{rows, usage_rows, versions, files, build timings,
+    window_rows, kept_open: {p50_ms, p95_ms, max_ms, first_ms, append_ms, ...},
+    open_per_query: {...}}``; ``rows`` and ``versions`` as built, before the
+    timed steps add theirs.
     """
     path = Path(root)
     if rebuild and path.exists():
         shutil.rmtree(path)
     timings: dict[str, float] = {}
+    versions = max(1, rows // rows_per_version)
     if not (path / TRAJECTORIES).exists():
         timings = build_buffer(root, rows, versions, samples_per_prompt, max_staleness, appends, compact)
     store = DeltaTrajectoryStore(root)
     trajectories, usage = DeltaTable(store.table_uri(TRAJECTORIES)), DeltaTable(store.table_uri(USAGE))
     newest = max(int(p["policy_version"]) for p in trajectories.partitions())
+    built = trajectories.count()
     figures: dict[str, object] = {
-        "rows": trajectories.count(), "usage_rows": usage.count(), "versions": newest + 1,
+        "rows": built, "usage_rows": usage.count(), "versions": newest + 1,
+        "rows_per_version": built // (newest + 1),
         "trajectory_files": len(trajectories.file_uris()), "usage_files": len(usage.file_uris()),
         "table_versions": store.table_versions(), **{k: round(v, 2) for k, v in timings.items()},
         "queries": queries, "groups_needed": groups_needed, "max_staleness_versions": max_staleness,
+        "window_rows": (max_staleness + 1) * (built // (newest + 1)),
     }
-    figures["open_per_query"] = _time_selections(lambda: DeltaTrajectoryStore(root), newest, groups_needed,
-                                                 max_staleness, samples_per_prompt, queries)
-    figures["kept_open"] = _time_selections(lambda: store, newest, groups_needed, max_staleness,
-                                            samples_per_prompt, queries)
+    policies = [ReplayPolicy(max_staleness, 0.25, 2, order) for order in ("newest", "advantage")]
+    figures["open_per_query"] = _time_cold(root, newest, groups_needed, policies, samples_per_prompt, queries)
+    figures["kept_open"] = _time_steps(store, newest, groups_needed, policies, samples_per_prompt, queries,
+                                       built // (newest + 1))
     return figures
 
 
-def _time_selections(source: Callable[[], TrajectoryStore], trainer_version: int, groups_needed: int, max_staleness: int,
-                     samples_per_prompt: int, queries: int) -> dict[str, float]:
-    """p50/p95/max milliseconds of ``queries`` selections, alternating the two replay orders."""
-    policies = [ReplayPolicy(max_staleness, 0.25, 2, order) for order in ("newest", "advantage")]
+def _select(store: TrajectoryStore, tv: int, groups_needed: int, policy: ReplayPolicy,
+            samples_per_prompt: int) -> tuple[float, object]:
+    start = time.perf_counter()
+    selection = select_batch(store, RUN_ID, tv, groups_needed, policy, samples_per_prompt=samples_per_prompt)
+    return (time.perf_counter() - start) * 1000, selection
+
+
+def _time_cold(root: str, tv: int, groups_needed: int, policies: list[ReplayPolicy], samples_per_prompt: int,
+               queries: int) -> dict[str, float]:
+    """Selections at version ``tv``, each through a new store (the window read from the tables every time)."""
     latencies, selected = [], []
     for i in range(queries + 2):
-        start = time.perf_counter()
-        selection = select_batch(source(), RUN_ID, trainer_version, groups_needed, policies[i % 2],
-                                 samples_per_prompt=samples_per_prompt)
-        if i >= 2:  # the first two warm caches (imports, page cache, open tables)
-            latencies.append((time.perf_counter() - start) * 1000)
+        ms, selection = _select(DeltaTrajectoryStore(root), tv, groups_needed, policies[i % 2], samples_per_prompt)
+        if i >= 2:  # the first two warm caches (imports, page cache)
+            latencies.append(ms)
             selected.append(len(selection.trajectory_ids))
-    latencies.sort()
+    return _figures(latencies, selected)
+
+
+def _time_steps(store: DeltaTrajectoryStore, newest: int, groups_needed: int, policies: list[ReplayPolicy],
+                samples_per_prompt: int, queries: int, rows_per_version: int) -> dict[str, float]:
+    """``queries`` steps of a run through one store: append a version, time its selection, log its usage."""
+    rng = np.random.default_rng(1)
+    groups_per_version = max(1, rows_per_version // samples_per_prompt)
+    latencies, selected, appends = [], [], []
+    first = 0.0
+    for i in range(queries + 1):
+        tv = newest + 1 + i
+        start = time.perf_counter()
+        store.append_arrow(TRAJECTORIES, trajectory_table(np.array([tv]), groups_per_version, samples_per_prompt, rng),
+                           app_id="bench:trajectories", txn_version=tv)
+        ms, selection = _select(store, tv, groups_needed, policies[i % 2], samples_per_prompt)
+        store.append_usage(selection.usage_rows(RUN_ID, tv, tv), app_id="bench:usage", txn_version=tv)
+        if i == 0:
+            first = ms  # the window read from the tables
+        else:
+            latencies.append(ms)
+            selected.append(len(selection.trajectory_ids))
+            appends.append((time.perf_counter() - start) * 1000 - ms)
+    return {**_figures(latencies, selected), "first_ms": round(first, 2),
+            "append_ms": round(statistics.fmean(appends), 2)}
+
+
+def _figures(latencies: list[float], selected: list[int]) -> dict[str, float]:
+    latencies = sorted(latencies)
     return {"p50_ms": round(statistics.median(latencies), 2),
             "p95_ms": round(latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))], 2),
             "max_ms": round(latencies[-1], 2), "selected_rows_min": min(selected),

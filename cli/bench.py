@@ -16,8 +16,12 @@ from reflow.config.load import InputError, load_config
 def cmd_bench_sampler(args: argparse.Namespace) -> int:
     if args.rows < 1000 or args.queries < 1:
         raise InputError("--rows must be >= 1000 and --queries >= 1")
+    if not (8 <= args.rows_per_version <= args.rows and args.rows_per_version % 8 == 0):
+        raise InputError(f"--rows-per-version must be a multiple of 8 (whole groups) between 8 and --rows, "
+                         f"got {args.rows_per_version}")
     print(f"building/reusing {args.rows:,} trajectory rows under {args.root} ...", flush=True)
-    figures = bench_sampler(args.rows, args.root, queries=args.queries, rebuild=args.rebuild)
+    figures = bench_sampler(args.rows, args.root, rows_per_version=args.rows_per_version, queries=args.queries,
+                            rebuild=args.rebuild)
     text = json.dumps(figures, indent=2)
     print(text)
     if args.output:

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows", type=int, default=1_000_000, help="trajectory rows (default 1,000,000)")
     bench.add_argument("--root", metavar="ROOT", default=".cache/reflow/bench-sampler",
                        help="the Delta store root of the synthetic tables (reused if present)")
+    bench.add_argument("--rows-per-version", type=int, default=4000,
+                       help="trajectory rows per policy version: the table grows by versions, as a run's does "
+                            "(default 4,000)")
     bench.add_argument("--queries", type=int, default=50, help="timed selections")
     bench.add_argument("--rebuild", action="store_true", help="rebuild the tables under --root")
     _add_output_arg(bench, "also write DIR/bench_sampler.json")

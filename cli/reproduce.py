@@ -42,7 +42,7 @@ from reflow.storage.metrics import flat_name
 from reflow.storage.tracker import quiet_mlflow_logging
 
 # Metrics that measure wall-clock time or depend on it; they differ between any two runs.
-TIMING_SUFFIXES = ("_seconds", "_per_s")
+TIMING_SUFFIXES = ("_seconds", "_per_s", "_cpu_fraction")
 TIMING_METRICS = frozenset({"generator_idle_fraction", "trainer_idle_fraction", "rollout_bubble_ratio",
                             "concurrency_target", "machine_cpu_idle_fraction"})
 

@@ -18,6 +18,10 @@ kept one reads only the commits since it was last used
 while another thread reads it, so each thread keeps its own; a store object
 may therefore be shared by every thread of a process, and processes share
 nothing but the files.
+
+The batch selection (``select``) runs on a selection window per run
+(``storage.window``): the rows it can read, fed by this store's commits
+under one lock, so a selection never sees a table version without its rows.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from reflow.storage.store import (
     TableSpec,
     trajectory_filter,
 )
+from reflow.storage.window import WINDOW_SCHEMAS, SelectionWindow, plain_types, run_sql, window_filter
 
 # Appends retried after losing a commit race (delta-rs already retries plain
 # append-vs-append conflicts internally; these are txn and metadata conflicts).
@@ -79,25 +84,8 @@ def _schema_differences(found: DeltaSchema, expected: pa.Schema) -> list[str]:
 
 
 def _plain_arrow(reader: object) -> pa.Table:
-    """A DataFusion result (an Arrow stream) as a pyarrow table without view types.
-
-    DataFusion returns ``string_view``/``binary_view`` columns, which many
-    consumers (pandas, older polars) handle poorly; they are cast back.
-    """
-    table = pa.RecordBatchReader.from_stream(reader).read_all()
-    target = pa.schema([f.with_type(_plain_type(f.type)) for f in table.schema])
-    return table if target.equals(table.schema) else table.cast(target)
-
-
-def _plain_type(arrow_type: pa.DataType) -> pa.DataType:
-    """``arrow_type`` with view types replaced by their plain equivalents (recursively in lists)."""
-    if arrow_type == pa.string_view():
-        return pa.string()
-    if arrow_type == pa.binary_view():
-        return pa.binary()
-    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_list_view(arrow_type):
-        return pa.list_(arrow_type.value_field.with_type(_plain_type(arrow_type.value_type)))
-    return arrow_type
+    """A DataFusion result (an Arrow stream) as a pyarrow table without view types (``window.plain_types``)."""
+    return plain_types(pa.RecordBatchReader.from_stream(reader).read_all())
 
 
 class DeltaTrajectoryStore(RecordAppends):
@@ -116,6 +104,10 @@ class DeltaTrajectoryStore(RecordAppends):
         if local is not None and local.exists() and not local.is_dir():
             raise StorageError(f"trajectory store root {self.root} is an existing file, not a directory")
         self._threads = threading.local()  # per thread: {table name: DeltaTable kept open}
+        # Selection windows by run id (storage.window), and the lock that makes a commit and the windows' view
+        # of it one step: a selection never sees a table version without its rows or the other way round.
+        self._windows: dict[str, SelectionWindow] = {}
+        self._commits = threading.Lock()
         for name in TABLE_SPECS:
             self._open(name)
 
@@ -223,6 +215,12 @@ class DeltaTrajectoryStore(RecordAppends):
         """Append ``data`` to ``name`` under transaction ``(app_id, txn_version)`` unless already done."""
         if data.num_rows == 0:
             return None
+        if name not in WINDOW_SCHEMAS:
+            return self._commit(name, data, app_id, txn_version)
+        with self._commits:
+            return self._commit(name, data, app_id, txn_version)
+
+    def _commit(self, name: str, data: pa.Table, app_id: str, txn_version: int) -> int | None:
         props = CommitProperties(app_transactions=[Transaction(app_id, txn_version)])
         failure: CommitFailedError | None = None
         for _ in range(COMMIT_ATTEMPTS):
@@ -232,6 +230,8 @@ class DeltaTrajectoryStore(RecordAppends):
             try:
                 # The DeltaTable carries storage_options; write_deltalake ignores new ones.
                 write_deltalake(table, data, mode="append", commit_properties=props)
+                for window in self._windows.values():
+                    window.add(name, data, table.version())
                 return table.version()
             except CommitFailedError as exc:
                 # A concurrent commit won: one with the same app id (then the
@@ -301,6 +301,44 @@ class DeltaTrajectoryStore(RecordAppends):
             if as_of and "not found" in message:
                 hint = "\n(a time-travel read needs the files of that version; `reflow maintain` may have vacuumed them)"
             raise StorageError(f"query on {self.root} failed: {message}\nSQL: {sql}{hint}") from exc
+
+    def select(self, run_id: str, floor: int, sql: str) -> pa.Table:
+        """A selection's SQL over ``run_id``'s window from version ``floor`` on (``storage.window``): tables
+        ``trajectories`` and ``usage`` holding only those rows and the columns in ``window.WINDOW_SCHEMAS``.
+
+        The window is read from the tables on first use, after a commit it did not see, or for a lower
+        floor; otherwise it is what this store's commits fed it. Raise StorageError if the tables cannot
+        be read.
+        """
+        with self._commits:
+            versions = {name: -1 if (table := self.latest_table(name)) is None else table.version()
+                        for name in WINDOW_SCHEMAS}
+            window = self._windows.get(run_id)
+            if window is not None and window.holds(versions, floor):
+                window.advance(floor)
+            else:
+                window = self._windows[run_id] = SelectionWindow(run_id, floor, self._window_rows(run_id, floor),
+                                                                 versions)
+            tables = window.tables()
+        try:
+            return run_sql(tables, sql)
+        except Exception as exc:  # DataFusion raises plain Exceptions carrying its message
+            raise StorageError(f"selection query on {self.root} failed: {exc}\nSQL: {sql}") from exc
+
+    def _window_rows(self, run_id: str, floor: int) -> dict[str, pa.Table]:
+        """``run_id``'s window rows at ``floor``, from the tables as this thread keeps them."""
+        rows = {}
+        for name, schema in WINDOW_SCHEMAS.items():
+            table = self.latest_table(name)
+            if table is None:
+                rows[name] = schema.empty_table()
+                continue
+            try:
+                rows[name] = table.to_pyarrow_dataset().to_table(columns=schema.names,
+                                                                 filter=window_filter(name, run_id, floor))
+            except (DeltaError, OSError, pa.ArrowException) as exc:
+                raise StorageError(f"reading {self.table_uri(name)} failed: {exc}") from exc
+        return rows
 
     def table_versions(self) -> dict[str, int]:
         """Current version of each table; -1 for a table not created yet."""

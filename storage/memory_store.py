@@ -1,4 +1,5 @@
-"""An in-process ``TrajectoryStore`` for unit tests of other code (no SQL; use Delta on ``tmp_path`` for that)."""
+"""An in-process ``TrajectoryStore`` for unit tests of other code (the selection's SQL only; use Delta on ``tmp_path``
+for the rest)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,16 @@ from reflow.storage.store import (
     RecordAppends,
     trajectory_filter,
 )
+from reflow.storage.window import WINDOW_SCHEMAS, run_sql, window_filter
 
 
 class InMemoryTrajectoryStore(RecordAppends):
     """``TrajectoryStore`` on in-process Arrow tables, for unit tests of other code.
 
     Same idempotency and version numbering as the Delta store (creating a
-    table is version 0, its first append version 1). ``query`` is not
-    supported: DataFusion here only reads Delta tables; use a
-    ``DeltaTrajectoryStore`` on ``tmp_path`` for SQL.
+    table is version 0, its first append version 1). ``select`` runs the
+    selection's SQL on the window's rows; ``query`` is not supported: use a
+    ``DeltaTrajectoryStore`` on ``tmp_path`` for the other SQL.
     """
 
     def __init__(self, root: str = "memory://") -> None:
@@ -73,6 +75,13 @@ class InMemoryTrajectoryStore(RecordAppends):
         """Not supported in memory; raises NotImplementedError."""
         raise NotImplementedError("InMemoryTrajectoryStore does not run SQL (deltalake's DataFusion only reads "
                                   "Delta tables); use DeltaTrajectoryStore(tmp_path) in tests that query")
+
+    def select(self, run_id: str, floor: int, sql: str) -> pa.Table:
+        """A selection's SQL over the window's rows (``storage.window``), read from the tables each time."""
+        with self._lock:
+            tables = {name: self._tables.get(name, TABLE_SPECS[name].schema.empty_table()) for name in WINDOW_SCHEMAS}
+        return run_sql({name: table.select(WINDOW_SCHEMAS[name].names).filter(window_filter(name, run_id, floor))
+                        for name, table in tables.items()}, sql)
 
     def table_versions(self) -> dict[str, int]:
         """Current version of each table; -1 for a table not created yet."""

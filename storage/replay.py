@@ -32,11 +32,11 @@ A training batch is a set of whole GRPO groups taken from the
 Reuse counts come from ``usage`` rows with ``trainer_version >= tv -
 max_staleness_versions`` only: a row inside the window was generated at a
 version no older than that, and a trajectory cannot be trained on by weights
-older than the ones that generated it. That bound lets Delta skip old
-``usage`` files; the ``policy_version`` range prunes ``trajectories``
-partitions. The store keeps both tables open between selections
-(``update_incremental`` instead of a log replay per query). ``reflow
-bench-sampler`` (``bench.sampler``) measures the latency at 1,000,000 rows.
+older than the ones that generated it. So a selection reads only the rows
+of the last ``max_staleness_versions + 1`` versions: the store keeps them in
+memory, fed by its own commits (``storage.window``), and the query's cost
+follows that window, not the tables. ``reflow bench-sampler``
+(``bench.sampler``) measures it as the tables grow.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from reflow.storage.sampler import BatchSelection
-from reflow.storage.store import TRAJECTORIES, USAGE, StorageError, TrajectoryStore, quote
+from reflow.storage.store import TrajectoryStore, quote
 
 Kind = Literal["fresh", "stale", "replay"]
 WeightFn = Callable[[int, int], float]
@@ -105,14 +105,15 @@ _GROUP_ORDER = {
 
 
 def select_batch_sql(run_id: str, trainer_version: int, groups_needed: int, policy: ReplayPolicy, *,
-                     samples_per_prompt: int | None = None, with_usage: bool = True) -> str:
+                     samples_per_prompt: int | None = None) -> str:
     """The DataFusion SQL of ``select_batch`` (tables ``trajectories`` and ``usage``).
 
     One row per selected trajectory: ``trajectory_id, group_id,
     policy_version, uses, part, pos`` with ``part`` 0 for unused groups and 1
     for replayed ones and ``pos`` the group's rank within its part, ordered by
-    part, rank and sample index. ``with_usage=False`` reads no ``usage``
-    table (for a run that has trained on nothing yet).
+    part, rank and sample index. It runs on the selection window
+    (``TrajectoryStore.select``: only the window's rows), and reads the same
+    over the whole tables (``TrajectoryStore.query``), as tests check.
 
     The plan is a single pipeline: rows are folded into one row per group
     (ids in arrays), groups are ranked with window functions and the chosen
@@ -127,8 +128,7 @@ def select_batch_sql(run_id: str, trainer_version: int, groups_needed: int, poli
     tv, lo, run = int(trainer_version), int(trainer_version) - policy.max_staleness_versions, quote(run_id)
     g = int(groups_needed)
     uses = (f"SELECT trajectory_id, COUNT(*) AS uses FROM usage "
-            f"WHERE run_id = {run} AND trainer_version >= {lo} GROUP BY trajectory_id") if with_usage else \
-        "SELECT CAST(NULL AS VARCHAR) AS trajectory_id, CAST(0 AS BIGINT) AS uses WHERE false"
+            f"WHERE run_id = {run} AND trainer_version >= {lo} GROUP BY trajectory_id")
     advantage = policy.replay_order == "advantage"
     # mean |r - mean_group(r)|: needs each row's group mean, hence a window (only for this order).
     centred = ", ABS(w.reward - AVG(w.reward) OVER (PARTITION BY w.group_id)) AS abs_adv" if advantage else ""
@@ -186,21 +186,9 @@ def select_batch(store: TrajectoryStore, run_id: str, trainer_version: int, grou
     written yet. Recording the step is the caller's job:
     ``store.append_usage(selection.usage_rows(run_id, step, selection.trainer_version), ...)``.
     """
-    def run(with_usage: bool) -> dict[str, list]:
-        return store.query(select_batch_sql(run_id, trainer_version, groups_needed, policy,
-                                            samples_per_prompt=samples_per_prompt,
-                                            with_usage=with_usage)).to_pydict()
-
-    try:
-        cols = run(with_usage=True)
-    except StorageError:
-        # Checked only on failure, so the common path opens each table once.
-        versions = store.table_versions()
-        if versions[TRAJECTORIES] < 0:
-            return _selection([], [], [], [], [], trainer_version, weight_fn)
-        if versions[USAGE] >= 0:
-            raise
-        cols = run(with_usage=False)
+    floor = int(trainer_version) - policy.max_staleness_versions
+    cols = store.select(run_id, floor, select_batch_sql(run_id, trainer_version, groups_needed, policy,
+                                                        samples_per_prompt=samples_per_prompt)).to_pydict()
     kinds: list[Kind] = ["replay" if part else ("fresh" if v == trainer_version else "stale")
                          for part, v in zip(cols["part"], cols["policy_version"])]
     return _selection(list(cols["trajectory_id"]), list(cols["group_id"]),

@@ -94,6 +94,10 @@ class TrajectoryStore(Protocol):
         """Run SQL over the tables (``trajectories``, ``usage``, ``rollout_cache``), optionally at given versions."""
         ...
 
+    def select(self, run_id: str, floor: int, sql: str) -> pa.Table:
+        """Run a selection's SQL over ``run_id``'s rows from version ``floor`` on (``storage.window``)."""
+        ...
+
     def table_versions(self) -> dict[str, int]:
         """Current version of each table; -1 for a table not created yet."""
         ...
@@ -114,6 +118,12 @@ class RecordAppends(ABC):
     @abstractmethod
     def _append(self, name: str, data: pa.Table, app_id: str, txn_version: int) -> int | None:
         """Commit ``data`` to table ``name`` under ``(app_id, txn_version)``, each store its own way."""
+
+    def append_arrow(self, name: str, data: pa.Table, *, app_id: str, txn_version: int) -> int | None:
+        """Append Arrow rows in table ``name``'s schema (bulk loads: ``reflow bench-sampler``); as the typed ones."""
+        if not data.schema.equals(TABLE_SPECS[name].schema):
+            raise StorageError(f"rows for {name!r} are not in its schema:\n{data.schema}")
+        return self._append(name, data, app_id, txn_version)
 
     def append_trajectories(self, records: Sequence[Trajectory], *, app_id: str, txn_version: int) -> int | None:
         """Append trajectories; return the new table version, or None if skipped (already written or empty)."""

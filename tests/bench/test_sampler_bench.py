@@ -7,9 +7,10 @@ from reflow.bench.sampler import bench_sampler
 
 
 def test_bench_sampler_builds_and_times_a_small_buffer(tmp_path: Path) -> None:
-    figures = bench_sampler(2_000, str(tmp_path / "buffer"), versions=10, queries=3, groups_needed=8)
+    figures = bench_sampler(2_000, str(tmp_path / "buffer"), rows_per_version=200, queries=3, groups_needed=8)
     json.dumps(figures)  # serialisable as promised
     assert figures["rows"] == 2_000 and figures["versions"] == 10 and figures["usage_rows"] > 0
+    assert figures["window_rows"] == 5 * 200 and figures["kept_open"]["append_ms"] > 0
     for path in ("open_per_query", "kept_open"):
         timing = figures[path]
         assert 0 < timing["p50_ms"] <= timing["p95_ms"] <= timing["max_ms"]

@@ -84,6 +84,14 @@ def test_bench_bad_input_exits_2_and_creates_nothing(tmp_path: Path) -> None:
         assert not (tmp_path / "b").exists()
 
 
+def test_bench_sampler_bad_input_exits_2_and_builds_nothing(tmp_path: Path) -> None:
+    for extra, message in [(["--rows", "10"], "--rows"), (["--rows-per-version", "12"], "--rows-per-version"),
+                           (["--rows", "2000", "--rows-per-version", "4000"], "--rows-per-version")]:
+        proc = _reflow("bench-sampler", "--root", "buf", *extra, cwd=tmp_path)
+        assert proc.returncode == 2 and message in proc.stderr, (extra, proc.stderr)
+        assert not (tmp_path / "buf").exists()
+
+
 def test_bad_dataset_exits_2_before_anything_is_written(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
