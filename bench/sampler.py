@@ -28,7 +28,7 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
 from reflow.storage.delta_store import DeltaTrajectoryStore
-from reflow.storage.replay import ReplayPolicy, select_batch
+from reflow.storage.replay import ReplayPolicy, select_batch, select_batch_sql
 from reflow.storage.schema import TRAJECTORY_SCHEMA, USAGE_SCHEMA
 from reflow.storage.store import TABLE_SPECS, TRAJECTORIES, USAGE, TrajectoryStore
 
@@ -182,10 +182,13 @@ def bench_sampler(rows: int, root: str, rows_per_version: int = 4000, queries: i
     - ``open_per_query``: a new store per selection, so the window is read
       from the tables each time: what the first selection of a process (a
       resumed run) pays once.
+    - ``whole_tables``: at each step, the same SQL over the whole Delta
+      tables (``store.query``, kept open), as selections ran before the
+      window (at the step's next version, after its usage rows).
 
     Returns ``{rows, usage_rows, versions, files, build timings,
     window_rows, kept_open: {p50_ms, p95_ms, max_ms, first_ms, append_ms, ...},
-    open_per_query: {...}}``; ``rows`` and ``versions`` as built, before the
+    open_per_query: {...}, whole_tables: {...}}``; ``rows`` and ``versions`` as built, before the
     timed steps add theirs.
     """
     path = Path(root)
@@ -209,8 +212,8 @@ def bench_sampler(rows: int, root: str, rows_per_version: int = 4000, queries: i
     }
     policies = [ReplayPolicy(max_staleness, 0.25, 2, order) for order in ("newest", "advantage")]
     figures["open_per_query"] = _time_cold(root, newest, groups_needed, policies, samples_per_prompt, queries)
-    figures["kept_open"] = _time_steps(store, newest, groups_needed, policies, samples_per_prompt, queries,
-                                       built // (newest + 1))
+    figures["kept_open"], figures["whole_tables"] = _time_steps(store, newest, groups_needed, policies,
+                                                                samples_per_prompt, queries, built // (newest + 1))
     return figures
 
 
@@ -234,27 +237,37 @@ def _time_cold(root: str, tv: int, groups_needed: int, policies: list[ReplayPoli
 
 
 def _time_steps(store: DeltaTrajectoryStore, newest: int, groups_needed: int, policies: list[ReplayPolicy],
-                samples_per_prompt: int, queries: int, rows_per_version: int) -> dict[str, float]:
-    """``queries`` steps of a run through one store: append a version, time its selection, log its usage."""
+                samples_per_prompt: int, queries: int, rows_per_version: int) -> tuple[dict, dict]:
+    """``queries`` steps of a run through one store: append a version, time its selection, log its usage.
+
+    Each step also times the same SQL over the whole Delta tables (``store.query``, kept open: how
+    selections ran before the window), so the two are compared in one invocation.
+    """
     rng = np.random.default_rng(1)
     groups_per_version = max(1, rows_per_version // samples_per_prompt)
-    latencies, selected, appends = [], [], []
+    latencies, selected, appends, whole, whole_selected = [], [], [], [], []
     first = 0.0
     for i in range(queries + 1):
         tv = newest + 1 + i
+        policy = policies[i % 2]
         start = time.perf_counter()
         store.append_arrow(TRAJECTORIES, trajectory_table(np.array([tv]), groups_per_version, samples_per_prompt, rng),
                            app_id="bench:trajectories", txn_version=tv)
-        ms, selection = _select(store, tv, groups_needed, policies[i % 2], samples_per_prompt)
+        ms, selection = _select(store, tv, groups_needed, policy, samples_per_prompt)
         store.append_usage(selection.usage_rows(RUN_ID, tv, tv), app_id="bench:usage", txn_version=tv)
         if i == 0:
             first = ms  # the window read from the tables
-        else:
-            latencies.append(ms)
-            selected.append(len(selection.trajectory_ids))
-            appends.append((time.perf_counter() - start) * 1000 - ms)
-    return {**_figures(latencies, selected), "first_ms": round(first, 2),
-            "append_ms": round(statistics.fmean(appends), 2)}
+            continue
+        latencies.append(ms)
+        selected.append(len(selection.trajectory_ids))
+        appends.append((time.perf_counter() - start) * 1000 - ms)
+        sql = select_batch_sql(RUN_ID, tv + 1, groups_needed, policy, samples_per_prompt=samples_per_prompt)
+        started = time.perf_counter()
+        rows = store.query(sql).num_rows
+        whole.append((time.perf_counter() - started) * 1000)
+        whole_selected.append(rows)
+    return ({**_figures(latencies, selected), "first_ms": round(first, 2),
+             "append_ms": round(statistics.fmean(appends), 2)}, _figures(whole, whole_selected))
 
 
 def _figures(latencies: list[float], selected: list[int]) -> dict[str, float]:

@@ -11,7 +11,7 @@ def test_bench_sampler_builds_and_times_a_small_buffer(tmp_path: Path) -> None:
     json.dumps(figures)  # serialisable as promised
     assert figures["rows"] == 2_000 and figures["versions"] == 10 and figures["usage_rows"] > 0
     assert figures["window_rows"] == 5 * 200 and figures["kept_open"]["append_ms"] > 0
-    for path in ("open_per_query", "kept_open"):
+    for path in ("open_per_query", "kept_open", "whole_tables"):
         timing = figures[path]
         assert 0 < timing["p50_ms"] <= timing["p95_ms"] <= timing["max_ms"]
         assert timing["selected_rows_min"] == timing["selected_rows_max"] == 64  # 8 whole groups of 8
