@@ -21,7 +21,7 @@ nothing but the files.
 
 The batch selection (``select``) runs on a selection window per run
 (``storage.window``): the rows it can read, fed by this store's commits
-under one lock, so a selection never sees a table version without its rows.
+under one lock, so a selection never sees a commit without its rows.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class DeltaTrajectoryStore(RecordAppends):
                 # The DeltaTable carries storage_options; write_deltalake ignores new ones.
                 write_deltalake(table, data, mode="append", commit_properties=props)
                 for window in self._windows.values():
-                    window.add(name, data, table.version())
+                    window.add(name, data)
                 return table.version()
             except CommitFailedError as exc:
                 # A concurrent commit won: one with the same app id (then the
@@ -306,19 +306,16 @@ class DeltaTrajectoryStore(RecordAppends):
         """A selection's SQL over ``run_id``'s window from version ``floor`` on (``storage.window``): tables
         ``trajectories`` and ``usage`` holding only those rows and the columns in ``window.WINDOW_SCHEMAS``.
 
-        The window is read from the tables on first use, after a commit it did not see, or for a lower
-        floor; otherwise it is what this store's commits fed it. Raise StorageError if the tables cannot
-        be read.
+        The window is read from the tables on the first selection of ``run_id`` and for a floor below the
+        window's; otherwise it is what this store's commits fed it (the run's writer lock makes this store
+        the run's only writer). Raise StorageError if the tables cannot be read.
         """
         with self._commits:
-            versions = {name: -1 if (table := self.latest_table(name)) is None else table.version()
-                        for name in WINDOW_SCHEMAS}
             window = self._windows.get(run_id)
-            if window is not None and window.holds(versions, floor):
-                window.advance(floor)
+            if window is None or floor < window.floor:
+                window = self._windows[run_id] = SelectionWindow(run_id, floor, self._window_rows(run_id, floor))
             else:
-                window = self._windows[run_id] = SelectionWindow(run_id, floor, self._window_rows(run_id, floor),
-                                                                 versions)
+                window.advance(floor)
             tables = window.tables()
         try:
             return run_sql(tables, sql)

@@ -12,10 +12,12 @@ by every commit the store makes in this process and cut as the floor
 cost follows the window, not the tables: not their rows, not their files,
 not their log (docs/measurements.md, ``reflow bench-sampler``).
 
-The window knows the table version it holds of each table. A commit it did
-not see (another process's, or a retried append already committed before)
-leaves the table at a version the window does not hold, and the next
-selection reads the window afresh.
+The window relies on the run's writer lock (``infra.runlock``): while a run
+is live, one process appends its rows, through one store, so every commit
+after the window was read passes through ``add``. Other runs' rows in the
+same tables never enter it, and their commits cost it nothing. A new
+process (a resume) reads the window afresh, and so does a selection below
+the window's floor.
 """
 
 from __future__ import annotations
@@ -47,35 +49,24 @@ def window_filter(name: str, run_id: str, floor: int) -> pc.Expression:
 
 
 class SelectionWindow:
-    """``run_id``'s rows from version ``floor`` on, as of the table versions ``seen`` (module docstring).
+    """``run_id``'s rows from version ``floor`` on (module docstring).
 
     Not thread-safe: the store calls it under the lock that also covers its commits.
     """
 
-    def __init__(self, run_id: str, floor: int, tables: Mapping[str, pa.Table], seen: Mapping[str, int]) -> None:
+    def __init__(self, run_id: str, floor: int, tables: Mapping[str, pa.Table]) -> None:
         self.run_id, self.floor = run_id, int(floor)
-        self.seen = {name: int(seen[name]) for name in WINDOW_SCHEMAS}
         self._parts: dict[str, list[pa.Table]] = {name: [] for name in WINDOW_SCHEMAS}
         for name, table in tables.items():
-            self._keep(name, table)
+            self.add(name, table)
 
-    def holds(self, versions: Mapping[str, int], floor: int) -> bool:
-        """Whether the window is ``run_id``'s rows at ``floor`` as of the table versions ``versions``."""
-        return floor >= self.floor and all(self.seen[name] == versions[name] for name in WINDOW_SCHEMAS)
-
-    def add(self, name: str, data: pa.Table, version: int) -> None:
-        """Commit ``version`` of table ``name`` appended ``data``: keep its rows of the window.
-
-        A version that does not follow the one held means a commit was
-        missed; the window then holds no version and is read again.
-        """
+    def add(self, name: str, data: pa.Table) -> None:
+        """Table ``name`` got ``data`` (a commit, or what was read): keep its rows of the window."""
         if name not in WINDOW_SCHEMAS:
             return
-        if self.seen[name] != version - 1:
-            self.seen[name] = -2  # no table is at version -2: ``holds`` is false until read again
-            return
-        self._keep(name, data)
-        self.seen[name] = version
+        rows = data.select(WINDOW_SCHEMAS[name].names).filter(window_filter(name, self.run_id, self.floor))
+        if rows.num_rows:
+            self._parts[name].append(rows.cast(WINDOW_SCHEMAS[name]))
 
     def advance(self, floor: int) -> None:
         """Drop the rows older than ``floor`` (a floor below the window's is the caller's to refuse)."""
@@ -96,12 +87,6 @@ class SelectionWindow:
         """The window's rows of each table (immutable: a selection may read them while commits go on)."""
         return {name: pa.concat_tables(parts) if parts else WINDOW_SCHEMAS[name].empty_table()
                 for name, parts in self._parts.items()}
-
-    def _keep(self, name: str, data: pa.Table) -> None:
-        rows = data.select(WINDOW_SCHEMAS[name].names).filter(window_filter(name, self.run_id, self.floor))
-        if rows.num_rows:
-            self._parts[name].append(rows.cast(WINDOW_SCHEMAS[name]))
-
 
 def run_sql(tables: Mapping[str, pa.Table], sql: str) -> pa.Table:
     """DataFusion ``sql`` over in-memory ``tables`` (registered by name), with plain string types."""

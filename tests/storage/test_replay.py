@@ -96,7 +96,8 @@ def _check(sel: ReplaySelection, model: Model, tv: int, policy: ReplayPolicy, ne
 def _random_schedule(rng: random.Random, root: Path) -> int:
     """Run one random schedule of appends, selections, usage appends and version advances; return steps."""
     store = DeltaTrajectoryStore(root)
-    source = DeltaTrajectoryStore(root) if rng.random() < 0.5 else store  # a reader with its own kept tables
+    # a reader with its own kept tables (selections run on the writer's store: its window is fed by its commits)
+    source = DeltaTrajectoryStore(root) if rng.random() < 0.5 else store
     policy = ReplayPolicy(max_staleness_versions=rng.choice([0, 1, 2, 3, 3]),
                           replay_ratio=rng.choice([0.0, 0.3, 0.5, 0.75, 1.0, 1.0]),
                           max_reuse=rng.choice([1, 2, 3, 3]), replay_order=rng.choice(["newest", "advantage"]))
@@ -120,7 +121,7 @@ def _random_schedule(rng: random.Random, root: Path) -> int:
             model.add(records)
             appends += 1
         needed = rng.randint(1, 5)
-        sel = select_batch(source, RUN, tv, needed, policy, _weight, samples_per_prompt=size)
+        sel = select_batch(store, RUN, tv, needed, policy, _weight, samples_per_prompt=size)
         _check(sel, model, tv, policy, needed, size)
         if sel.trajectory_ids:
             store.append_usage(sel.usage_rows(RUN, step, sel.trainer_version), app_id="trainer", txn_version=step)
@@ -247,9 +248,10 @@ def test_sql_is_runnable_text_and_kept_tables_follow_new_commits(tmp_path: Path)
                        app_id="t", txn_version=0)
     store.append_trajectories(_group("b", 0, 2), app_id="f", txn_version=1)
     assert store.query(sql).column("trajectory_id").to_pylist() == ["b/0", "b/1", "a/0", "a/1"]
-    sel = select_batch(cached, RUN, 0, 2, ReplayPolicy(0, 0.5, 2))  # new commits and the new usage table seen
-    assert sel.kinds == ["fresh", "fresh", "replay", "replay"] and sel.reuse_counts == [0, 0, 1, 1]
+    assert cached.query(sql).column("trajectory_id").to_pylist() == ["b/0", "b/1", "a/0", "a/1"]  # new commits
     assert cached.table_versions() == store.table_versions()
+    sel = select_batch(store, RUN, 0, 2, ReplayPolicy(0, 0.5, 2))  # the writer's window, fed by its commits
+    assert sel.kinds == ["fresh", "fresh", "replay", "replay"] and sel.reuse_counts == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("kwargs, message", [
