@@ -49,15 +49,18 @@ from reflow.storage.store import (
     TableSpec,
     trajectory_filter,
 )
-from reflow.storage.window import WINDOW_SCHEMAS, SelectionWindow, plain_types, run_sql, window_filter
+from reflow.storage.window import (
+    SESSION_OPTIONS,
+    WINDOW_SCHEMAS,
+    SelectionWindow,
+    plain_types,
+    run_sql,
+    window_filter,
+)
 
 # Appends retried after losing a commit race (delta-rs already retries plain
 # append-vs-append conflicts internally; these are txn and metadata conflicts).
 COMMIT_ATTEMPTS = 5
-
-
-# One partition per operator, not one per core: selection p95 at 1M rows 95 -> 80 ms (docs/measurements.md).
-QUERY_SESSION = {"datafusion.execution.target_partitions": "1"}
 
 
 def _local_path(uri: str) -> Path | None:
@@ -279,7 +282,7 @@ class DeltaTrajectoryStore(RecordAppends):
         unknown = sorted(set(as_of) - set(TABLE_SPECS))
         if unknown:
             raise StorageError(f"no table named {', '.join(map(repr, unknown))}; tables: {', '.join(TABLE_SPECS)}")
-        builder = QueryBuilder(QUERY_SESSION)
+        builder = QueryBuilder(SESSION_OPTIONS)
         missing = []
         for name in TABLE_SPECS:
             table = self._open(name, as_of[name]) if name in as_of else self.latest_table(name)
