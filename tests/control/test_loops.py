@@ -103,7 +103,9 @@ class FakeSelector:
     def __init__(self, store: DeltaTrajectoryStore, engine: FakeEngine, policy: ReplayPolicy, groups: int,
                  samples: int) -> None:
         self.store, self.engine, self.policy, self.groups, self.samples = store, engine, policy, groups, samples
-        self.tables = DeltaTrajectoryStore(store.root)  # the selector's reader: its own kept tables
+        # the writer's store, as in a run (one store per root and process, tasks.context): its selection window is
+        # fed by the writer's commits (storage.window)
+        self.tables = store
         self.version = 0
         self.batches: dict[int, ReplaySelection] = {}
         self.recorded: list[tuple[int, int]] = []  # (step, newest weights pushed when it was recorded)
