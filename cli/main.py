@@ -18,6 +18,7 @@ from reflow.cli.bench import cmd_bench, cmd_bench_engine, cmd_bench_report, cmd_
 from reflow.cli.reproduce import cmd_reproduce
 from reflow.cli.runtime import EXIT_BAD_INPUT, disk_error
 from reflow.cli.serve import cmd_serve
+from reflow.cli.simulate import cmd_simulate
 from reflow.cli.tables import cmd_maintain, cmd_query
 from reflow.cli.train import cmd_config, cmd_evaluate, cmd_model_init, cmd_resume, cmd_run
 from reflow.config.load import ConfigError, InputError
@@ -129,6 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run every mode for run.total_steps steps (default: for run.total_steps batches' worth "
                             "of new groups, so that reflow, whose batches are partly replayed, gets the same data)")
     _add_output_arg(modes, "where bench.json, bench.png and the runs go", required=True)
+    sim = sub.add_parser("simulate", help="the modes in virtual time: the real control plane against modelled "
+                         "engines and trainers (a profile), at any number of engines and trainer ranks")
+    _add_config_args(sim)
+    sim.add_argument("--profile", metavar="FILE", help="cost models, JSON or TOML (default: configs/profiles/"
+                     "cpu.json, calibrated on this machine; configs/profiles/h100-8b.toml for GPUs)")
+    sim.add_argument("--modes", default="sync,one_step_off,async,reflow",
+                     help="comma-separated: sync, one_step_off, async, reflow (default: all four)")
+    sim.add_argument("--seeds", default="", help="comma-separated seeds (default: 0; with --calibrate: the bench "
+                     "runs to fit on, default all)")
+    sim.add_argument("--equal-steps", action="store_true", help="run every mode for run.total_steps steps (default: "
+                     "the same new groups, as reflow bench)")
+    sim.add_argument("--bench", metavar="DIR", help="a reflow bench output: estimate time to target as its new "
+                     "samples to target over the simulated rate of new samples")
+    sim.add_argument("--validate", metavar="BENCH_DIR", help="simulate every mode and seed of a reflow bench "
+                     "output with its config and print the relative error of each figure (exit 1 if any is "
+                     "over 15%%)")
+    sim.add_argument("--calibrate", metavar="BENCH_DIR", help="fit a CPU profile to a reflow bench output's runs "
+                     "and write it to --output FILE.json")
+    _add_output_arg(sim, "where sim.json and sim.png go (with --calibrate: the profile file)", required=True)
     report = sub.add_parser("bench-report", help="reflow's speedups seed by seed over one or more bench outputs")
     report.add_argument("dirs", nargs="+", metavar="DIR", help="bench output directories (or their bench.json)")
     _add_output_arg(report, "also write the figures as JSON to FILE", metavar="FILE")
@@ -218,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupt_on_signals()
     handlers = {"run": cmd_run, "resume": cmd_resume, "evaluate": cmd_evaluate, "serve": cmd_serve, "config": cmd_config,
                 "bench-sampler": cmd_bench_sampler, "bench-engine": cmd_bench_engine, "bench": cmd_bench,
-                "bench-report": cmd_bench_report,
+                "bench-report": cmd_bench_report, "simulate": cmd_simulate,
                 "query": cmd_query, "maintain": cmd_maintain, "reproduce": cmd_reproduce}
     handler = cmd_model_init if args.command == "model" else handlers[args.command]
     try:

@@ -154,10 +154,13 @@ class FeederLoop:
             return
         self._last_write = self.clock.now()
         groups, self._complete = self._complete, {}
+        started = self.clock.now()
         self.backend.write(self._chunk, groups)
         self._chunk += 1
         self._written += len(groups)
         with self.state.cond:
+            self.state.write_seconds += self.clock.now() - started
+            self.state.writes += 1
             self.state.groups_written += len(groups)
             for g, items in groups.items():
                 self.state.unused[g] = min(item.result.version for item in items)

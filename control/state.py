@@ -19,6 +19,8 @@ class LoopState:
     unused: dict[int, int] = field(default_factory=dict)  # written, not trained on: group -> oldest version
     engine_busy_s: float = 0.0  # engine time spent stepping with requests in flight
     generated_tokens: int = 0
+    write_seconds: float = 0.0  # the feeder's appends (scoring and committing finished groups), in total
+    writes: int = 0
     stop: bool = False
     error: BaseException | None = None  # why a loop stopped the run
     cond: threading.Condition = field(default_factory=threading.Condition, repr=False)

@@ -137,6 +137,8 @@ class StreamStats:
     select_seconds: float = 0.0  # the step's batch query
     push_seconds: float = 0.0  # sending the weights to the engines
     previous_log_seconds: float = 0.0  # logging the step before (known only after it)
+    write_seconds: float = 0.0  # the feeder's appends since the step before (scoring and Delta commits)
+    writes: int = 0  # appends since the step before
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,530 @@
+"""``reflow simulate``: the real control plane against modelled engines and trainers, in virtual time.
+
+What runs unchanged: the streaming modes' feeder and selector loops
+(``control.feeder``, ``control.selector``, sized by ``control.streaming``
+from the config), the staleness gate, the concurrency controller, and the
+buffer's selection query (``storage.replay.select_batch``, the same SQL on
+the same in-memory window, ``storage.window``). The rounds of ``sync`` and
+``one_step_off`` follow the order of ``flows.rl_train._rounds`` step for
+step. What is modelled (``bench.sim_profile``): how long an engine step, a
+trainer step, a weight push and the driver's appends and queries take, and
+how long responses are. No Ray, Prefect, torch or Delta is in the loop;
+the threads of the loops take turns in virtual time (``bench.sim_clock``),
+so the same seed gives the same result.
+
+Modelled, not measured: rewards (each group draws a pass rate, each sample
+a Bernoulli of it; they only order replay by advantage) and learning (a
+simulator cannot learn; ``bench.sim_report`` reads time to target as the
+new samples a real run needed over the simulated rate of new samples).
+
+Where the model is coarser than a run: every engine of the pool steps in
+the same windows (a real pool's engines end their windows independently);
+the driver's work takes the profile's fixed times, not a share of a CPU
+the roles also use; there are no checkpoints, evaluations or restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from reflow.bench.sim_clock import SimScheduler
+from reflow.bench.sim_profile import SimProfile
+from reflow.config.load import load_config
+from reflow.config.schema import ReflowConfig
+from reflow.control.feeder import Drained, Finished
+from reflow.control.selector import StepOutcome
+from reflow.control.streaming import StreamingLoops
+from reflow.policies.offpolicy import replay_weight
+from reflow.storage.replay import ReplayPolicy, ReplaySelection, select_batch
+from reflow.storage.store import TRAJECTORIES, USAGE
+from reflow.storage.window import WINDOW_SCHEMAS, SelectionWindow, run_sql
+
+RUN = "sim"
+STREAMING = ("async", "reflow")
+MODES = ("sync", "one_step_off", "async", "reflow")
+
+
+@dataclass(frozen=True)
+class SimSample:
+    """A finished response as the feeder's ``Finished.result``: what the loops and the buffer read."""
+
+    request_id: str
+    group: int
+    sample: int
+    version: int  # the version of its oldest token
+    length: int
+    reward: float
+    trained: bool  # its group's rewards differ (an all-equal group has zero advantage: the trainer skips it)
+
+
+@dataclass
+class _Engine:
+    """One engine's requests: running (arrays, one slot per sequence) and waiting (in admission order)."""
+
+    max_sequences: int
+    version: int = 0
+    loaded_at: float = 0.0  # when the version it holds arrived
+    ids: list[tuple[int, int]] = field(default_factory=list)  # (group, sample) per running slot
+    remaining: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    context: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # version of the first token; -1
+    waiting: list[tuple[int, int, int]] = field(default_factory=list)  # (group, sample, length)
+
+    @property
+    def requests(self) -> int:
+        return len(self.ids) + len(self.waiting)
+
+
+@dataclass
+class Window:
+    """What one stepping window of the pool did."""
+
+    end: float
+    finished: list[SimSample]
+    busy_s: float  # engine-seconds spent stepping, summed over engines
+    slot_s: float  # running sequences x step seconds, summed (for the bubble)
+
+
+class EnginePool:
+    """``engines`` modelled engines (``profile.engine``); lengths and rewards drawn when a group is submitted."""
+
+    def __init__(self, profile: SimProfile, engines: int, max_sequences: int, samples: int, rng: np.random.Generator,
+                 max_response_tokens: int, mode: str | None = None, seed: int | None = None) -> None:
+        self.cost, self.lengths, self.rng, self.mode = profile.engine, profile.lengths, rng, mode
+        self.measured = profile.lengths.source_for(mode, seed)
+        self.prompt_tokens = int(round(profile.lengths.prompt_tokens))
+        self.samples, self.max_response_tokens = samples, max_response_tokens
+        self.engines = [_Engine(max_sequences) for _ in range(engines)]
+        self.rewards: dict[int, np.ndarray] = {}
+        self.pushed: list[tuple[float, int]] = []  # (arrival time, version) of weights on their way
+        self.training: list[tuple[float, float]] = []  # the trainer's compute intervals (engine slowdown)
+        self.streaming = profile.engine.streaming(mode) if mode in STREAMING else 1.0
+
+    def submit(self, groups: Sequence[int], spread: str = "least_loaded") -> None:
+        """Whole groups: each to the engine with the fewest requests (streaming) or round-robin (rounds)."""
+        for i, g in enumerate(groups):
+            engine = (min(self.engines, key=lambda e: e.requests) if spread == "least_loaded"
+                      else self.engines[i % len(self.engines)])
+            lengths, self.rewards[g] = self.lengths.group(self.rng, self.samples, self.measured)
+            lengths = np.minimum(lengths, self.max_response_tokens)
+            engine.waiting += [(g, k, int(n)) for k, n in enumerate(lengths)]
+
+    def abandon(self, groups: Sequence[int]) -> None:
+        drop = set(groups)
+        for e in self.engines:
+            keep = [i for i, (g, _) in enumerate(e.ids) if g not in drop]
+            e.ids = [e.ids[i] for i in keep]
+            e.remaining, e.context, e.first = e.remaining[keep], e.context[keep], e.first[keep]
+            e.waiting = [w for w in e.waiting if w[0] not in drop]
+
+    def push(self, version: int, arrives: float) -> None:
+        self.pushed.append((arrives, version))
+
+    def trainer_busy(self, t: float) -> bool:
+        """Whether the trainer computes at ``t`` (intervals that ended are dropped)."""
+        while self.training and self.training[0][1] <= t:
+            self.training.pop(0)
+        return bool(self.training) and self.training[0][0] <= t
+
+    @property
+    def in_flight(self) -> int:
+        return sum(e.requests for e in self.engines)
+
+    def step(self, start: float, window_s: float) -> Window:
+        """Every engine with requests steps from ``start`` for about ``window_s`` (a step that starts inside the
+        window finishes, as in ``infra.actors.EngineWorker.drain``); new weights load first."""
+        finished: list[SimSample] = []
+        end, busy, slots = start, 0.0, 0.0
+        for e in self.engines:
+            t = start
+            arrived = [v for at, v in self.pushed if at <= start and v > e.version]
+            if arrived:
+                e.version = max(arrived)
+                t += self.cost.weight_load_s
+            if not e.requests:
+                continue
+            began = t  # the window starts once the load is done (a separate call on the engine actor)
+            while e.requests and t - began < window_s:
+                prefill = self._admit(e)
+                t, s = self._run(e, t, began + window_s, prefill, finished)
+                slots += s
+            busy += t - began
+            end = max(end, t)
+        self.pushed = [(at, v) for at, v in self.pushed if v > min(e.version for e in self.engines)]
+        return Window(end, finished, busy, slots)
+
+    def _admit(self, e: _Engine) -> int:
+        """Fill free slots from the waiting requests; their prompt tokens are prefilled in the next step."""
+        room = e.max_sequences - len(e.ids)
+        if room <= 0 or not e.waiting:
+            return 0
+        new, e.waiting = e.waiting[:room], e.waiting[room:]
+        e.ids += [(g, k) for g, k, _ in new]
+        e.remaining = np.concatenate([e.remaining, np.asarray([n for _, _, n in new], np.int64)])
+        e.context = np.concatenate([e.context, np.full(len(new), self.prompt_tokens, np.int64)])
+        e.first = np.concatenate([e.first, np.full(len(new), -1, np.int64)])
+        return len(new) * self.prompt_tokens
+
+    def _run(self, e: _Engine, t: float, until: float, prefill: int, out: list[SimSample]) -> tuple[float, float]:
+        """Steps until the next response finishes or ``until`` passes; (time after, slot-seconds)."""
+        n = len(e.ids)
+        horizon = int(e.remaining.min())
+        slow = (self.cost.slowdown_while_training if self.trainer_busy(t) else 1.0) * self.streaming
+        context = float(e.context.sum())
+        steps, slots = 0, 0.0
+        while steps < horizon and t < until:
+            s = self.cost.step_s(n, context, prefill) * slow
+            prefill = 0
+            t += s
+            slots += n * s
+            context += n
+            steps += 1
+        e.first[e.first < 0] = e.version
+        e.remaining -= steps
+        e.context += steps
+        done = np.flatnonzero(e.remaining <= 0)
+        if done.size:
+            for i in done:
+                g, k = e.ids[i]
+                length = int(e.context[i]) - self.prompt_tokens
+                rewards = self.rewards[g]
+                out.append(SimSample(f"g{g}/{k}", g, k, int(e.first[i]), length, float(rewards[k]),
+                                     bool(rewards.min() != rewards.max())))
+            keep = np.flatnonzero(e.remaining > 0)
+            e.ids = [e.ids[i] for i in keep]
+            e.remaining, e.context, e.first = e.remaining[keep], e.context[keep], e.first[keep]
+        return t, slots
+
+
+def loss_tokens(sample: SimSample) -> int:
+    """Tokens the trainer computes for ``sample``: its response, unless its advantage is zero (skipped)."""
+    return sample.length if sample.trained else 0
+
+
+class SimBuffer:
+    """The buffer's selection over modelled rows: ``TrajectoryStore.select`` on a ``SelectionWindow``, as the
+    Delta store runs it, fed by the simulated appends."""
+
+    def __init__(self) -> None:
+        self.window = SelectionWindow(RUN, -(2**62), {})  # every version, until the first selection advances it
+        self.tokens: dict[str, int] = {}  # trajectory id -> loss tokens the trainer computes (0: skipped)
+        self._rows: dict[str, list[pa.Table]] = {TRAJECTORIES: [], USAGE: []}  # everything appended (the tables)
+
+    def append(self, samples: Sequence[SimSample]) -> None:
+        rows = {"run_id": [RUN] * len(samples), "trajectory_id": [s.request_id for s in samples],
+                "group_id": [f"g{s.group}" for s in samples], "sample_index": [s.sample for s in samples],
+                "policy_version": [s.version for s in samples], "reward": [s.reward for s in samples]}
+        self._add(TRAJECTORIES, pa.table(rows, schema=WINDOW_SCHEMAS[TRAJECTORIES]))
+        self.tokens.update((s.request_id, loss_tokens(s)) for s in samples)
+
+    def record_usage(self, selection: ReplaySelection) -> None:
+        rows = {"run_id": [RUN] * len(selection.trajectory_ids), "trajectory_id": selection.trajectory_ids,
+                "trainer_version": [selection.trainer_version] * len(selection.trajectory_ids)}
+        self._add(USAGE, pa.table(rows, schema=WINDOW_SCHEMAS[USAGE]))
+
+    def _add(self, name: str, table: pa.Table) -> None:
+        self._rows[name].append(table)
+        self.window.add(name, table)
+
+    def select(self, run_id: str, floor: int, sql: str) -> pa.Table:
+        """``TrajectoryStore.select``: the selection's SQL over the window from ``floor`` on."""
+        if floor < self.window.floor:  # as the Delta store does: the window read afresh from every row
+            self.window = SelectionWindow(RUN, floor, {name: pa.concat_tables(parts) for name, parts in
+                                                       self._rows.items() if parts})
+        self.window.advance(floor)
+        return run_sql(self.window.tables(), sql)
+
+
+@dataclass(frozen=True)
+class SimStep:
+    """One simulated step's figures (the names of the real per-step metrics)."""
+
+    step: int
+    elapsed_s: float
+    step_seconds: float
+    trainer_seconds: float
+    engine_busy_s: float  # engine-seconds in the step, summed over engines
+    generated_tokens: int
+    samples: int
+    new_samples: int
+    trained_tokens: int
+    staleness_mean: float
+    replay_share: float
+    bubble_ratio: float | None = None  # rounds
+
+    def trainer_idle(self) -> float:
+        return min(1.0, max(0.0, 1.0 - self.trainer_seconds / max(self.step_seconds, 1e-9)))
+
+    def generator_idle(self, engines: int) -> float:
+        return min(1.0, max(0.0, 1.0 - self.engine_busy_s / max(engines * self.step_seconds, 1e-9)))
+
+
+@dataclass
+class SimRun:
+    mode: str
+    seed: int
+    engines: int
+    trainer_ranks: int
+    steps: list[SimStep]
+    origin: float = 0.0  # virtual time of the first submit
+    windows: int = 0  # streaming: drain windows started
+
+
+class _Feeder:
+    """``control.feeder.FeederBackend`` over the modelled pool and buffer."""
+
+    def __init__(self, sched: SimScheduler, pool: EnginePool, buffer: SimBuffer, profile: SimProfile) -> None:
+        self.sched, self.pool, self.buffer, self.driver = sched, pool, buffer, profile.driver
+        self.samples_per_group = pool.samples
+        self.windows = 0
+
+    def submit(self, groups: Sequence[int]) -> None:
+        self.pool.submit(groups)
+
+    def start_drain(self, window_s: float) -> Window:
+        self.windows += 1
+        return self.pool.step(self.sched.now() + self.driver.window_gap_s, window_s)
+
+    def wait_drain(self, handle: Window) -> Drained:
+        self.sched.wait_until(handle.end)
+        items = [Finished(s.group, s, s.length) for s in handle.finished]
+        return Drained(items, busy_s=handle.busy_s, in_flight=self.pool.in_flight)
+
+    def write(self, chunk: int, groups: dict[int, list[Finished]]) -> None:
+        samples = [f.result for g in sorted(groups) for f in groups[g]]
+        self.sched.sleep(self.driver.write_s + self.driver.write_sample_s * len(samples))
+        self.buffer.append(samples)
+
+    def abandon(self, groups: Sequence[int]) -> None:
+        self.pool.abandon(groups)
+
+
+@dataclass
+class _Update:
+    step: int
+    selection: ReplaySelection
+    end: float
+    seconds: float
+    tokens: int
+
+
+class _Selector:
+    """``control.selector.SelectorBackend``: the real query on the buffer, a modelled trainer and push."""
+
+    def __init__(self, sched: SimScheduler, cfg: ReflowConfig, pool: EnginePool, buffer: SimBuffer,
+                 profile: SimProfile, loops: StreamingLoops, run: SimRun) -> None:
+        self.sched, self.cfg, self.pool, self.buffer, self.profile = sched, cfg, pool, buffer, profile
+        self.loops, self.run = loops, run
+        b = cfg.buffer
+        replay = cfg.mode.kind == "reflow"
+        self.policy = ReplayPolicy(max_staleness_versions=b.max_staleness_versions,
+                                   replay_ratio=b.replay_ratio if replay else 0.0,
+                                   max_reuse=b.max_reuse if replay else 1, replay_order=b.replay_order)
+        self.weight_fn = lambda reuse, age: replay_weight(reuse, age, b.reuse_decay, b.staleness_decay)
+        self.version = 0
+        self.trainer_free = 0.0
+        self.done: dict[int, _Update] = {}
+        self.last_record = 0.0
+        self.seen_busy, self.seen_tokens = 0.0, 0
+
+    def select(self, step: int, trainer_version: int) -> ReplaySelection:
+        self.sched.sleep(self.profile.driver.select_s)
+        return select_batch(self.buffer, RUN, trainer_version, self.cfg.rollout.prompts_per_step, self.policy,
+                            self.weight_fn, samples_per_prompt=self.cfg.rollout.samples_per_prompt)
+
+    def consumed(self, selection: ReplaySelection) -> tuple[int, ...]:
+        return tuple(sorted({int(g[1:]) for g, k in zip(selection.group_ids, selection.kinds) if k != "replay"}))
+
+    def prefetch(self, selection: ReplaySelection) -> None:
+        return None
+
+    def start_train(self, step: int, selection: ReplaySelection) -> _Update:
+        self.buffer.record_usage(selection)
+        tokens = sum(self.buffer.tokens[t] for t in selection.trajectory_ids)
+        # the engines generate all along in the streaming modes: the step shares the machine with them
+        seconds = self.profile.trainer.step_s(tokens, self.cfg.resources.trainer_ranks) \
+            * self.profile.trainer.slowdown(self.cfg.mode.kind)
+        begin = max(self.sched.now(), self.trainer_free) + self.profile.trainer.overhead_s
+        self.trainer_free = begin + seconds
+        self.pool.training.append((begin, self.trainer_free))
+        return _Update(step, selection, self.trainer_free, seconds, tokens)
+
+    def finish_train(self, handle: _Update, timeout: float | None) -> StepOutcome | None:
+        self.sched.wait_until(handle.end if timeout is None else min(handle.end, self.sched.now() + timeout))
+        if self.sched.now() < handle.end:
+            return None
+        self.version += 1
+        self.done[handle.step] = handle
+        sel = handle.selection
+        return StepOutcome(version=self.version, groups=len(set(sel.group_ids)), consumed=self.consumed(sel))
+
+    def push_weights(self, version: int) -> None:
+        self.pool.push(version, self.sched.now() + self.profile.sync.seconds())
+
+    def uses_trainer(self, step: int) -> bool:
+        return False
+
+    def record(self, step: int) -> None:
+        self.sched.sleep(self.profile.driver.record_s)
+        update = self.done.pop(step)
+        sel = update.selection
+        now = self.sched.now()
+        state = self.loops.state
+        busy, tokens = state.engine_busy_s - self.seen_busy, state.generated_tokens - self.seen_tokens
+        self.seen_busy, self.seen_tokens = state.engine_busy_s, state.generated_tokens
+        staleness = sel.staleness
+        self.run.steps.append(SimStep(
+            step=step, elapsed_s=now - self.run.origin, step_seconds=now - self.last_record,
+            trainer_seconds=update.seconds, engine_busy_s=busy, generated_tokens=tokens,
+            samples=len(sel.trajectory_ids), new_samples=sum(k != "replay" for k in sel.kinds),
+            trained_tokens=update.tokens, staleness_mean=statistics.fmean(staleness) if staleness else 0.0,
+            replay_share=sel.replay_share))
+        self.last_record = now
+
+
+def _streaming(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Callable[[int], None]) -> SimRun:
+    sched = SimScheduler()
+    engines = cfg.resources.engines
+    run = SimRun(cfg.mode.kind, seed, engines, cfg.resources.trainer_ranks, [])
+    pool = EnginePool(profile, engines, cfg.rollout.max_concurrent_sequences, cfg.rollout.samples_per_prompt,
+                      np.random.default_rng(seed), cfg.rollout.max_response_tokens, cfg.mode.kind, seed)
+    buffer = SimBuffer()
+    loops = StreamingLoops(cfg, sched, engines=engines)
+    loops.state.cond = sched.condition()  # the loops meet on it; in virtual time
+    feed = _Feeder(sched, pool, buffer, profile)
+    feeder = loops.feeder(feed)
+    backend = _Selector(sched, cfg, pool, buffer, profile, loops, run)
+    selector = loops.selector_loop(backend)
+    total = cfg.run.total_steps
+
+    def record(step: int) -> None:
+        _Selector.record(backend, step)
+        progress(1)
+
+    backend.record = record  # type: ignore[method-assign]
+
+    def main() -> None:  # what StreamingLoops.run does, with the feeder in a simulated thread
+        task = sched.spawn(feeder.run, "feeder")
+        try:
+            selector.run(range(total))
+        finally:
+            loops.state.request_stop()
+            sched.join(task)
+
+    sched.run(main)
+    run.windows = feed.windows
+    if loops.state.error is not None:
+        raise RuntimeError(f"{cfg.mode.kind}: the simulated feeder failed") from loops.state.error
+    return run
+
+
+def _rounds(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Callable[[int], None]) -> SimRun:
+    """``sync`` and ``one_step_off`` in the order of ``flows.rl_train._rounds`` (plain rounds).
+
+    Each role is a time at which it is next free: the engines run a round
+    (one weight load queued behind it in ``one_step_off``), the flow scores it
+    and logs, the trainer trains. No loop of the control plane runs here:
+    the flow's order is the rounds' whole control.
+    """
+    engines, groups = cfg.resources.engines, cfg.rollout.prompts_per_step
+    run = SimRun(cfg.mode.kind, seed, engines, cfg.resources.trainer_ranks, [])
+    pool = EnginePool(profile, engines, cfg.rollout.max_concurrent_sequences, cfg.rollout.samples_per_prompt,
+                      np.random.default_rng(seed), cfg.rollout.max_response_tokens, cfg.mode.kind, seed)
+    overlap = cfg.mode.kind == "one_step_off"
+    driver = profile.driver
+    sync_s = profile.sync.seconds() + profile.engine.weight_load_s
+    total = cfg.planned_steps()
+
+    def rollout(step: int, start: float, version: int) -> _Round:
+        for e in pool.engines:
+            e.version = version
+        pool.submit(range(step * groups, (step + 1) * groups), spread="round_robin")
+        slots = sum(min(e.requests, e.max_sequences) for e in pool.engines)
+        w = pool.step(start, math.inf)  # every engine runs until its share is done
+        return _Round(start, w.end, w.finished, w.busy_s, w.slot_s, slots, version)
+
+    engine_free = trainer_free = last_record = flow = 0.0
+    version = 0
+    pending = rollout(0, 0.0, 0)
+    engine_free = pending.end
+    for step in range(total):
+        done = pending
+        flow = max(flow, done.end) + driver.round_score_s + driver.write_sample_s * len(done.finished)
+        last = step == total - 1
+        tokens = sum(loss_tokens(s) for s in done.finished)
+        train_s = profile.trainer.step_s(tokens, cfg.resources.trainer_ranks)
+        if overlap and not last:  # the trainer shares the machine with the next round
+            train_s *= profile.trainer.slowdown(cfg.mode.kind)
+        begin = max(flow, trainer_free) + profile.trainer.overhead_s
+        trainer_free = begin + train_s
+        if overlap and not last:  # the engine starts the next round on the weights it holds, beside the update
+            pool.training = [(begin, trainer_free)]
+            pending = rollout(step + 1, max(flow, engine_free), version)
+            engine_free = pending.end
+        version += 1
+        # the weight sync (a blocking task) runs on the engines after the round they have: in one_step_off it
+        # queues behind the next round, so the flow waits for that round too
+        engine_free = max(trainer_free, engine_free) + sync_s
+        flow = engine_free + driver.round_overhead_s
+        if not overlap and not last:  # sync submits the next round before it records the step
+            pending = rollout(step + 1, flow, version)
+            engine_free = pending.end
+        flow += driver.round_record_s  # one_step_off: the next round is submitted after it (next step's score)
+        span = max(done.end - done.start, 1e-9)
+        run.steps.append(SimStep(
+            step=step, elapsed_s=flow, step_seconds=flow - last_record, trainer_seconds=train_s,
+            engine_busy_s=done.busy_s, generated_tokens=sum(s.length for s in done.finished),
+            samples=len(done.finished), new_samples=len(done.finished), trained_tokens=tokens,
+            staleness_mean=float(version - 1 - done.version), replay_share=0.0,
+            bubble_ratio=max(0.0, 1.0 - done.slot_s / max(done.slots * span, 1e-9))))
+        last_record = flow
+        progress(1)
+    return run
+
+
+@dataclass(frozen=True)
+class _Round:
+    start: float
+    end: float
+    finished: list[SimSample]
+    busy_s: float
+    slot_s: float
+    slots: int
+    version: int
+
+
+def mode_config(config: str | None, overrides: list[str], mode: str, seed: int, equal_steps: bool) -> ReflowConfig:
+    """The config ``reflow bench`` gives ``mode`` and ``seed`` (``flows.bench.bench_mode``), plain rounds."""
+    from reflow.bench import mode_bench
+
+    rows = [f"mode.kind={json.dumps(mode)}", 'rollout.scheduling="plain"', f"run.seed={seed}"]
+    if not equal_steps:
+        cfg = load_config(config, [*overrides, *rows])
+        rows += mode_bench.equal_data(cfg.run.total_steps, cfg.rollout.prompts_per_step, cfg.fresh_groups_per_step())
+    return load_config(config, [*overrides, *rows])
+
+
+def config_path(path: str | None) -> str | None:
+    """A config path as given, or under the package (a bench.json names it relative to where it ran)."""
+    if path is None or Path(path).is_file():
+        return path
+    inside = Path(__file__).resolve().parents[1] / path
+    return str(inside) if inside.is_file() else path
+
+
+def simulate(cfg: ReflowConfig, profile: SimProfile, seed: int,
+             progress: Callable[[int], None] = lambda n: None) -> SimRun:
+    """One mode (``cfg.mode.kind``) in virtual time; ``progress(n)`` after each step."""
+    if cfg.mode.kind not in MODES:
+        raise ValueError(f"simulate: mode {cfg.mode.kind!r} is not simulated (choose from {', '.join(MODES)})")
+    if cfg.rollout.scheduling != "plain":
+        raise ValueError("simulate: SortedRL rounds (rollout.scheduling) are not simulated yet")
+    return (_streaming if cfg.mode.kind in STREAMING else _rounds)(cfg, profile, seed, progress)

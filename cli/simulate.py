@@ -1,0 +1,110 @@
+"""``reflow simulate``: the modes in virtual time against a profile, a bench's check, a profile's calibration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from reflow.cli.runtime import int_list
+from reflow.config.load import InputError
+from reflow.config.schema import ReflowConfig
+
+PACKAGE = Path(__file__).resolve().parents[1]
+DEFAULT_PROFILE = PACKAGE / "configs" / "profiles" / "cpu.json"
+SIMULATED = ("sync", "one_step_off", "async", "reflow")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from reflow.bench.sim_profile import load_profile, save_profile
+
+    out = Path(args.output)
+    if args.calibrate:
+        from reflow.bench.sim_calibrate import calibrate
+
+        if out.suffix != ".json" or not out.parent.is_dir():
+            raise InputError(f"--output: with --calibrate, a .json file in an existing directory, got {args.output!r}")
+        seeds = int_list(args.seeds, "--seeds") if args.seeds else None
+        try:
+            profile = calibrate(_bench_dir(args.calibrate), seeds)
+        except ValueError as exc:
+            raise InputError(str(exc)) from exc
+        save_profile(profile, out)
+        print(profile.model_dump_json(indent=1, exclude={"lengths": {"groups", "group_rewards"}}))
+        print(f"profile: {out}")
+        return 0
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--output: {str(out)!r} exists and is not a directory")
+    from reflow.bench import mode_bench, sim_report
+    from reflow.bench.simulate import config_path
+
+    bench = None
+    if args.validate or args.bench:
+        try:
+            bench = mode_bench.load_results(_bench_dir(args.validate or args.bench))
+        except ValueError as exc:
+            raise InputError(str(exc)) from exc
+    if args.validate:
+        meta = json.loads((_bench_dir(args.validate) / "bench.json").read_text())["meta"]
+        config, overrides = config_path(args.config or meta.get("config")), [*meta.get("overrides", []),
+                                                                              *args.overrides]
+        pairs = [(r.mode, r.seed) for r in bench if r.mode in SIMULATED]
+        equal_steps = meta.get("run_length") == "equal steps"
+        if not pairs:
+            raise InputError(f"--validate: the bench has none of the simulated modes ({', '.join(SIMULATED)})")
+    else:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        bad = [m for m in modes if m not in SIMULATED]
+        if not modes or bad:
+            raise InputError(f"--modes: unknown or not simulated {bad or modes}; choose from {', '.join(SIMULATED)}")
+        seeds = int_list(args.seeds or "0", "--seeds")
+        if not seeds:
+            raise InputError("--seeds: give at least one seed")
+        config, overrides, equal_steps = args.config, args.overrides, args.equal_steps
+        pairs = [(m, s) for s in seeds for m in modes]
+    from reflow.bench.simulate import mode_config
+
+    configs = [(m, s, mode_config(config, overrides, m, s, equal_steps)) for m, s in pairs]
+    try:
+        profile = load_profile(args.profile or DEFAULT_PROFILE)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    results = _run_all(configs, profile)
+    if bench is not None:
+        results = sim_report.with_targets(results, bench)
+    summary = sim_report.aggregate(results)
+    validation = sim_report.validate(bench, results) if args.validate else None
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"config": config, "overrides": overrides, "profile": str(args.profile or DEFAULT_PROFILE),
+            "profile_name": profile.name, "pairs": pairs, "equal_steps": equal_steps,
+            "bench": str(args.validate or args.bench) if bench is not None else None}
+    sim_report.write_json(out / "sim.json", results, summary, meta, validation)
+    sim_report.plot(summary, out / "sim.png", f"reflow simulate: {profile.name}")
+    print("\n" + sim_report.table(summary))
+    if validation is not None:
+        print("\n" + sim_report.validation_table(validation))
+    print(f"\nsim.json: {out / 'sim.json'}\nplot: {out / 'sim.png'}", flush=True)
+    return 0 if validation is None or validation["passed"] else 1
+
+
+def _bench_dir(path: str) -> Path:
+    p = Path(path)
+    p = p.parent if p.name == "bench.json" else p
+    if not (p / "bench.json").is_file():
+        raise InputError(f"{path}: no bench.json there (run reflow bench --output {path} first)")
+    return p
+
+
+def _run_all(configs: list[tuple[str, int, ReflowConfig]], profile) -> list:
+    from tqdm import tqdm
+
+    from reflow.bench.sim_report import summarise
+    from reflow.bench.simulate import simulate
+
+    results = []
+    with tqdm(total=sum(c.planned_steps() for _, _, c in configs), unit="step", desc="simulating",
+              mininterval=1.0) as bar:
+        for mode, seed, cfg in configs:
+            bar.set_postfix_str(f"{mode} seed {seed}")
+            results.append(summarise(simulate(cfg, profile, seed, progress=bar.update)))
+    return results

@@ -1,0 +1,77 @@
+"""The stage-speed scheduler against synthetic stage speeds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from reflow.control.clock import VirtualClock
+from reflow.control.roles import RoleScheduler, StageRates
+
+
+def run(scheduler: RoleScheduler, clock: VirtualClock, windows: int, produced: float, trained: float, level: int,
+        noise: float = 0.0, seed: int = 0, switch_s: float = 2.0) -> None:
+    rng = random.Random(seed)
+    for _ in range(windows):
+        clock.advance(10.0)
+        jitter = lambda x: max(0.0, x * (1 + rng.uniform(-noise, noise)))  # noqa: E731
+        scheduler.decide(StageRates(jitter(produced), jitter(trained), level, batch_groups=16, switch_s=switch_s))
+
+
+def test_generation_bottleneck_moves_workers_to_generation() -> None:
+    clock = VirtualClock()
+    s = RoleScheduler(["train", "train", "generate"], clock, dwell_s=30.0)
+    run(s, clock, windows=12, produced=1.0, trained=2.0, level=4)  # a quarter batch left and falling
+    assert s.roles == ["generate", "generate", "generate"] and s.switches == 2
+    assert all(d.role in (None, "generate") for d in s.decisions)
+
+
+def test_training_bottleneck_moves_workers_to_training() -> None:
+    clock = VirtualClock()
+    s = RoleScheduler(["generate", "generate"], clock, dwell_s=30.0)
+    run(s, clock, windows=12, produced=3.0, trained=1.0, level=80)  # five batches waiting and rising
+    assert s.roles == ["train", "train"]
+    assert "rising" in s.decisions[-1].reason or "no worker free" in s.decisions[-1].reason
+
+
+def test_a_steady_state_never_switches() -> None:
+    clock = VirtualClock()
+    s = RoleScheduler(["generate", "train"], clock, dwell_s=30.0)
+    run(s, clock, windows=50, produced=2.0, trained=2.0, level=32, noise=0.3)
+    assert s.switches == 0
+
+
+def test_a_level_outside_the_band_already_heading_back_moves_nothing() -> None:
+    clock = VirtualClock()
+    s = RoleScheduler(["generate", "train"], clock, dwell_s=30.0)
+    run(s, clock, windows=10, produced=3.0, trained=2.0, level=2)  # low, but refilling
+    run(s, clock, windows=10, produced=1.0, trained=2.0, level=90)  # high, but draining
+    assert s.switches == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_at_most_one_switch_per_dwell_window_under_noisy_rates(seed: int) -> None:
+    clock = VirtualClock()
+    s = RoleScheduler(["generate", "train", "generate", "train"], clock, dwell_s=30.0)
+    rng = random.Random(seed)
+    for _ in range(200):  # rates and level jump around the band
+        clock.advance(10.0)
+        s.decide(StageRates(rng.uniform(0.5, 3), rng.uniform(0.5, 3), rng.randint(0, 100), 16, switch_s=1.0))
+    times = [d.at for d in s.decisions if d.worker is not None]
+    assert times and all(b - a >= 30.0 for a, b in zip(times, times[1:]))
+
+
+def test_a_switch_that_costs_more_than_it_can_win_is_not_made() -> None:
+    clock = VirtualClock()
+    s = RoleScheduler(["train", "train"], clock, dwell_s=30.0)
+    # 5% imbalance: the fast stage waits 1.5 s per 30 s dwell, the switch costs 4 s
+    run(s, clock, windows=10, produced=1.9, trained=2.0, level=4, switch_s=4.0)
+    assert s.switches == 0 and "switch cost" in s.decisions[-1].reason
+    run(s, clock, windows=1, produced=1.0, trained=2.0, level=4, switch_s=4.0)  # 50%: 15 s to win
+    assert s.switches == 1
+
+
+def test_bad_bands_are_refused() -> None:
+    with pytest.raises(ValueError, match="low"):
+        RoleScheduler(["train"], VirtualClock(), low=3, high=1)
