@@ -320,9 +320,9 @@ class _Selector:
     """``control.selector.SelectorBackend``: the real query on the buffer, a modelled trainer and push."""
 
     def __init__(self, sched: SimScheduler, cfg: ReflowConfig, pool: EnginePool, buffer: SimBuffer,
-                 profile: SimProfile, loops: StreamingLoops, run: SimRun) -> None:
+                 profile: SimProfile, loops: StreamingLoops, run: SimRun, progress: Callable[[int], None]) -> None:
         self.sched, self.cfg, self.pool, self.buffer, self.profile = sched, cfg, pool, buffer, profile
-        self.loops, self.run = loops, run
+        self.loops, self.run, self.progress = loops, run, progress
         b = cfg.buffer
         replay = cfg.mode.kind == "reflow"
         self.policy = ReplayPolicy(max_staleness_versions=b.max_staleness_versions,
@@ -388,6 +388,7 @@ class _Selector:
             trained_tokens=update.tokens, staleness_mean=statistics.fmean(staleness) if staleness else 0.0,
             replay_share=sel.replay_share))
         self.last_record = now
+        self.progress(1)
 
 
 def _streaming(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Callable[[int], None]) -> SimRun:
@@ -401,15 +402,8 @@ def _streaming(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Call
     loops.state.cond = sched.condition()  # the loops meet on it; in virtual time
     feed = _Feeder(sched, pool, buffer, profile)
     feeder = loops.feeder(feed)
-    backend = _Selector(sched, cfg, pool, buffer, profile, loops, run)
-    selector = loops.selector_loop(backend)
+    selector = loops.selector_loop(_Selector(sched, cfg, pool, buffer, profile, loops, run, progress))
     total = cfg.run.total_steps
-
-    def record(step: int) -> None:
-        _Selector.record(backend, step)
-        progress(1)
-
-    backend.record = record  # type: ignore[method-assign]
 
     def main() -> None:  # what StreamingLoops.run does, with the feeder in a simulated thread
         task = sched.spawn(feeder.run, "feeder")
