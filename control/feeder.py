@@ -152,9 +152,8 @@ class FeederLoop:
         if not force and not needed and len(self._complete) < self.write_min_groups \
                 and waited < self.write_max_wait_s:
             return
-        self._last_write = self.clock.now()
+        started = self._last_write = self.clock.now()
         groups, self._complete = self._complete, {}
-        started = self.clock.now()
         self.backend.write(self._chunk, groups)
         self._chunk += 1
         self._written += len(groups)

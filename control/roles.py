@@ -24,7 +24,8 @@ moves at most one worker towards the slow stage:
 Every decision keeps its reason and the rates it used, for the tracker
 (``role_generators``, ``role_trainers``, ``role_switches``,
 ``switch_seconds``). Plain Python against a clock, like the other
-controllers: the simulator runs it in virtual time.
+controllers, so the simulator can run it in virtual time. Nothing calls it
+yet: the flex workers it moves are not built.
 """
 
 from __future__ import annotations
