@@ -266,8 +266,15 @@ class TrainConfig(_Section):
         "With this on (default) it moves them by its mean weight; off: every step at the full rate, as before "
         "2026-12-02 (docs/concepts.md \"The loss\").")
     is_cap_mode: Literal["truncate", "mask"] = Field(
-        "truncate", description="decoupled: above the cap, truncate the weight (verl's TIS) or drop the token "
-        "(mask, AReaL's code).")
+        "truncate", description="decoupled: above the cap, truncate the weight (TIS) or drop the token or "
+        "sequence (mask: MIS, AReaL's code).")
+    is_level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="decoupled: the behaviour importance weight per token, or per sequence as verl's "
+        "rollout correction offers it: 'sequence' exp(sum of the token log-ratios), 'geometric' exp(their mean).")
+    minibatches_per_step: int = Field(
+        1, ge=1, le=64, description="Optimiser steps per batch (PPO minibatches, split by tokens). Above 1 the "
+        "trainer first recomputes the batch's log-probs under the step's starting weights, the proximal policy "
+        "the decoupled loss clips against (one more forward pass per step); still one weight version per batch.")
 
 
 class ToolsConfig(_Section):

@@ -12,15 +12,36 @@ Shapes: ``B`` samples, ``T`` response tokens (right-padded).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from reflow.config.schema import TrainConfig
 from reflow.policies import grpo, offpolicy
 
-# (logp, behaviour_logp, advantages, cfg) -> ((B, T) per-token loss, (B, T) float 1.0 where clipped or capped)
-PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, TrainConfig], tuple[torch.Tensor, torch.Tensor]]
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What a policy loss sees of one micro-batch."""
+
+    logp: torch.Tensor  # (B, T) log-probs of the policy being optimised (carries the gradient)
+    behaviour_logp: torch.Tensor  # (B, T) log-probs of the policy that sampled each token (the engine's)
+    advantages: torch.Tensor  # (B,)
+    mask: torch.Tensor  # (B, T) 1.0 on loss tokens
+    # (B, T) log-probs under the weights at the start of the step (``train.minibatches_per_step > 1``);
+    # None: one optimiser step per batch, so the proximal policy is ``logp`` detached
+    proximal_logp: torch.Tensor | None = None
+
+    @property
+    def proximal(self) -> torch.Tensor:
+        """The proximal (PPO anchor) log-probs: the step's starting weights."""
+        return self.logp.detach() if self.proximal_logp is None else self.proximal_logp
+
+
+# (inputs, cfg) -> ((B, T) per-token loss, (B, T) float 1.0 where clipped or capped)
+PolicyLoss = Callable[[LossInputs, TrainConfig], tuple[torch.Tensor, torch.Tensor]]
 # (rewards (B,), dense group index (B,), cfg) -> advantages (B,)
 AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor, TrainConfig], torch.Tensor]
 
@@ -74,33 +95,36 @@ def advantage_estimators() -> tuple[str, ...]:
 
 
 @register_policy_loss("ppo")
-def ppo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
-             cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def ppo_loss(inputs: LossInputs, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The clipped surrogate against the behaviour log-probs (``grpo.clipped_surrogate``; verl's default
     without rollout correction): ``-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)``,
     ``rho = exp(logp - behaviour)``, and with ``train.clip_ratio_c`` the dual clip ``min(loss, -c A)`` for
-    ``A < 0``."""
-    return grpo.clipped_surrogate(logp, behaviour_logp, advantages, cfg.clip_eps_low, cfg.clip_eps_high,
-                                  cfg.clip_ratio_c)
+    ``A < 0``. The proximal log-probs are not used."""
+    return grpo.clipped_surrogate(inputs.logp, inputs.behaviour_logp, inputs.advantages, cfg.clip_eps_low,
+                                  cfg.clip_eps_high, cfg.clip_ratio_c)
 
 
 @register_policy_loss("decoupled")
-def decoupled_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
-                   cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """AReaL's decoupled PPO (``offpolicy.decoupled_ppo_loss``) with the current weights as the proximal policy.
+def decoupled_loss(inputs: LossInputs, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """AReaL's decoupled PPO (``offpolicy.decoupled_ppo_loss``) against the step's starting weights.
 
-    One optimiser step is taken per batch, so the proximal policy is the
-    weights before the step, i.e. ``logp`` detached: the ratio ``r = 1`` (with
-    its gradient) and neither the clip nor the dual clip engages; the capped behaviour weight
-    ``w = min(exp(logp - behaviour), is_weight_cap)`` corrects stale and
-    replayed tokens. The reported clip fraction is the share of tokens whose
-    weight hit the cap.
+    The proximal policy is the weights at the start of the step. With one
+    optimiser step per batch (``train.minibatches_per_step = 1``) that is
+    ``logp`` detached: the ratio ``r = 1`` (with its gradient) and neither the
+    clip nor the dual clip engages; with several, the trainer recomputes the
+    proximal log-probs before the first and the clip bounds how far the later
+    minibatches move from them. The capped behaviour weight ``w = min(exp(proximal
+    - behaviour), is_weight_cap)`` (per token, or per sequence with
+    ``train.is_level``; dropped above the cap with ``is_cap_mode = "mask"``)
+    corrects stale and replayed tokens. The reported clip fraction is the share
+    of tokens where the clip was active or the weight hit the cap.
     """
-    per_token, _, _ = offpolicy.decoupled_ppo_loss(logp, logp.detach(), behaviour_logp, advantages,
-                                                   cfg.clip_eps_low, cfg.clip_eps_high, cfg.is_weight_cap,
-                                                   cfg.is_cap_mode, cfg.clip_ratio_c)
-    capped = (torch.exp(logp.detach() - behaviour_logp) > cfg.is_weight_cap).float()
-    return per_token, capped
+    proximal = inputs.proximal
+    per_token, clipped, _ = offpolicy.decoupled_ppo_loss(
+        inputs.logp, proximal, inputs.behaviour_logp, inputs.advantages, cfg.clip_eps_low, cfg.clip_eps_high,
+        cfg.is_weight_cap, cfg.is_cap_mode, cfg.clip_ratio_c, level=cfg.is_level, mask=inputs.mask)
+    log_ratio = offpolicy.importance_log_ratio(proximal, inputs.behaviour_logp, cfg.is_level, inputs.mask)
+    return per_token, torch.maximum(clipped, (log_ratio > math.log(cfg.is_weight_cap)).float())
 
 
 @register_advantage_estimator("grpo")

@@ -27,6 +27,7 @@ Shapes: ``B`` samples, ``T`` response tokens (right-padded).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -38,34 +39,73 @@ REUSE_DECAY = 0.5
 STALENESS_DECAY = 0.9
 
 
-def capped_is_weights(anchor_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float,
-                      mode: Literal["truncate", "mask"] = "truncate") -> torch.Tensor:
-    """Detached behaviour importance weights ``exp(anchor - behaviour)``, capped.
+def importance_log_ratio(anchor_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                         level: Literal["token", "sequence", "geometric"] = "token",
+                         mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Detached ``log rho`` per token (B, T) at ``level`` (``capped_is_weights`` defines them); a sequence's
+    value is repeated over its tokens."""
+    log_ratio = anchor_logp.detach() - behaviour_logp.detach()
+    if level == "token":
+        return log_ratio
+    if level not in ("sequence", "geometric"):
+        raise ValueError(f"importance weight level must be 'token', 'sequence' or 'geometric', got {level!r}")
+    if mask is None:
+        raise ValueError(f"importance weights at level {level!r} need the loss mask")
+    summed = (log_ratio * mask).sum(-1, keepdim=True)
+    if level == "geometric":
+        summed = summed / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return summed.expand_as(log_ratio)
 
-    ``truncate``: ``w_t = min(exp(anchor_t - behaviour_t), cap)`` (truncated
-    IS, Ionides 2008; verl's TIS). ``mask``: ``w_t = exp(anchor_t -
-    behaviour_t)`` where it is ``<= cap`` and 0 elsewhere (AReaL's code, which
-    filters out tokens above ``behav_imp_weight_cap``).
+
+def capped_is_weights(anchor_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float,
+                      mode: Literal["truncate", "mask"] = "truncate",
+                      level: Literal["token", "sequence", "geometric"] = "token",
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Detached behaviour importance weights ``exp(anchor - behaviour)``, capped, per token or per sequence.
+
+    With ``d_t = anchor_t - behaviour_t`` on the loss tokens (``mask``), the
+    weight before the cap is, by ``level`` (verl's rollout correction,
+    ``rollout_is_level``; Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"):
+
+    * ``token``: ``rho_t = exp(d_t)``, one weight per token (truncated IS when
+      truncated: verl's token TIS);
+    * ``sequence``: ``rho = exp(sum_t d_t)``, the sequence's likelihood ratio,
+      the same for all its tokens (unbiased for a sequence-level reward, but its
+      variance grows with the length);
+    * ``geometric``: ``rho = exp(mean_t d_t)``, the geometric mean of the token
+      ratios (a length-normalised sequence weight).
+
+    ``mode``: ``truncate`` gives ``min(rho, cap)`` (TIS; Ionides 2008);
+    ``mask`` gives ``rho`` where ``rho <= cap`` and 0 elsewhere (MIS: AReaL's
+    code for tokens, verl's ``rollout_is_mode = "mask"``; verl also masks below
+    a lower threshold, which is not done here). Sequence levels are computed in
+    log space, so a long sequence's ratio cannot overflow.
 
     Args:
         anchor_logp, behaviour_logp: (B, T).
         cap: largest weight kept, > 0.
+        mask: (B, T) 1.0 on loss tokens; needed by the sequence levels (tokens
+            outside it contribute nothing to the sum or the mean).
     Returns:
         (B, T) weights with no gradient.
     """
     if cap <= 0:
         raise ValueError(f"importance weight cap must be > 0, got {cap}")
-    weight = torch.exp(anchor_logp.detach() - behaviour_logp.detach())
+    if mode not in ("truncate", "mask"):
+        raise ValueError(f"cap mode must be 'truncate' or 'mask', got {mode!r}")
+    log_ratio = importance_log_ratio(anchor_logp, behaviour_logp, level, mask)
+    log_cap = math.log(cap)
     if mode == "truncate":
-        return torch.clamp(weight, max=cap)
-    if mode == "mask":
-        return torch.where(weight <= cap, weight, torch.zeros_like(weight))
-    raise ValueError(f"cap mode must be 'truncate' or 'mask', got {mode!r}")
+        return torch.exp(torch.clamp(log_ratio, max=log_cap))
+    return torch.where(log_ratio <= log_cap, torch.exp(torch.clamp(log_ratio, max=log_cap)),
+                       torch.zeros_like(log_ratio))
 
 
 def decoupled_ppo_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
                        advantages: torch.Tensor, eps_low: float, eps_high: float, max_is_weight: float,
                        cap_mode: Literal["truncate", "mask"] = "truncate", clip_ratio_c: float | None = None,
+                       level: Literal["token", "sequence", "geometric"] = "token", mask: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decoupled PPO loss per token (Fu et al. 2025, "AReaL", arXiv 2505.24298).
 
@@ -82,6 +122,8 @@ def decoupled_ppo_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviou
     (see ``capped_is_weights``); AReaL also leaves them out of the token
     count, which the caller does by dropping them from the loss mask.
     ``clip_ratio_c`` adds the dual clip of ``grpo.clipped_surrogate`` on ``r``.
+    ``level`` (with ``mask``) takes ``w`` per sequence instead of per token
+    (``capped_is_weights``: verl's sequence and geometric rollout correction).
 
     Args:
         logp: (B, T) current policy log-probs (carries the gradient).
@@ -91,7 +133,7 @@ def decoupled_ppo_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviou
     Returns:
         ((B, T) per-token loss, (B, T) float 1.0 where the clip was active, (B, T) weights ``w``).
     """
-    weight = capped_is_weights(proximal_logp, behaviour_logp, max_is_weight, cap_mode)
+    weight = capped_is_weights(proximal_logp, behaviour_logp, max_is_weight, cap_mode, level, mask)
     surrogate, clip_active = clipped_surrogate(logp, proximal_logp.detach(), advantages, eps_low, eps_high,
                                                clip_ratio_c)
     return weight * surrogate, clip_active, weight

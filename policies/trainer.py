@@ -11,6 +11,7 @@ that touches the weights is then a collective: all ranks call it together.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
 import time
@@ -23,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from reflow.config.schema import TrainConfig
 from reflow.policies import grpo
-from reflow.policies.losses import get_policy_loss
+from reflow.policies.losses import LossInputs, get_policy_loss
 from reflow.storage.metrics import TrainStep
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -40,6 +41,9 @@ class TrainSample:
     loss_mask: list[int]
     advantage: float
     loss_weight: float
+    # log-probs of the response tokens under the weights at the start of the step (``Trainer.with_proximal``);
+    # None: the loss takes the current log-probs, detached (one optimiser step per batch)
+    proximal_logprobs: list[float] | None = None
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -84,15 +88,22 @@ def _collate(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Tensor]
     attn = torch.zeros((len(samples), width), dtype=torch.long)
     mask = torch.zeros((len(samples), width - 1))
     behaviour = torch.zeros((len(samples), width - 1))
+    with_proximal = [s.proximal_logprobs is not None for s in samples]
+    if any(with_proximal) and not all(with_proximal):
+        raise ValueError("a micro-batch mixes samples with and without proximal log-probs")
+    proximal = torch.zeros((len(samples), width - 1)) if all(with_proximal) else None
     for i, (s, f) in enumerate(zip(samples, full)):
         ids[i, : len(f)] = torch.tensor(f)
         attn[i, : len(f)] = 1
         start, end = len(s.prompt_tokens) - 1, len(f) - 1  # position t predicts token t+1
         mask[i, start:end] = torch.tensor(s.loss_mask, dtype=torch.float)
         behaviour[i, start:end] = torch.tensor(s.behaviour_logprobs)
-    return {"ids": ids, "attn": attn, "mask": mask, "behaviour": behaviour,
-            "adv": torch.tensor([s.advantage for s in samples]),
-            "weight": torch.tensor([s.loss_weight for s in samples])}
+        if proximal is not None:
+            proximal[i, start:end] = torch.tensor(s.proximal_logprobs)
+    out = {"ids": ids, "attn": attn, "mask": mask, "behaviour": behaviour,
+           "adv": torch.tensor([s.advantage for s in samples]),
+           "weight": torch.tensor([s.loss_weight for s in samples])}
+    return out if proximal is None else out | {"proximal": proximal}
 
 
 class Trainer:
@@ -185,16 +196,77 @@ class Trainer:
                 and (sample.advantage == 0.0 or sample.loss_weight == 0.0))
 
     def step(self, samples: list[TrainSample]) -> TrainStep:
-        """One optimiser step on ``samples`` (gradients accumulated over micro-batches).
+        """One batch: ``train.minibatches_per_step`` optimiser steps (gradients accumulated over micro-batches).
 
-        The loss normaliser counts every sample of the batch, skipped ones included (``skippable``),
-        so skipping changes no gradient; entropy, clip fraction and ratio are means over the tokens
-        trained on. Sharded, ``samples`` is this rank's share: the normaliser and every figure
-        returned are the whole batch's (summed over ranks), and a rank with fewer micro-batches
-        runs empty ones, so all ranks run as many forward and backward passes as FSDP needs.
+        With one minibatch (the default) the loss normaliser counts every sample of the batch, skipped
+        ones included (``skippable``), so skipping changes no gradient. With ``k > 1`` the trainer
+        first records each sample's log-probs under the starting weights (``with_proximal``: the
+        proximal policy of the decoupled loss), then splits the batch into ``k`` minibatches of nearly
+        equal tokens (``minibatches``) and steps on each in turn, each with its own normaliser and
+        learning rate, as PPO's minibatch epochs do; ``k`` is cut to the number of samples with a
+        gradient, so no step is taken on a minibatch without one. The version moves by one per batch
+        whatever ``k``. Entropy, clip fraction and ratio are means over the tokens trained on; loss,
+        gradient norm and learning rate are means over the minibatches. Sharded, ``samples`` is this
+        rank's share: each rank splits its share into ``k``, minibatch ``j`` is the union of the ranks'
+        ``j``-th parts, and every figure returned is the whole batch's.
         """
         start = time.perf_counter()
         self.model.train()
+        with_gradient = int(self._global([sum(not self.skippable(s) for s in samples)])[0])
+        k = max(1, min(self.cfg.minibatches_per_step, with_gradient))
+        if k > 1:
+            samples = self.with_proximal(samples)
+        parts = [self._optimizer_step(part) for part in (self.minibatches(samples, k) if k > 1 else [samples])]
+        self.version += 1
+        total = {key: sum(part[key] for part in parts) for key in parts[0]}
+        per_token = float(max(total["trained_tokens"], 1))
+        return TrainStep(version=self.version, loss=total["loss"] / k, kl=total["kl"] / per_token,
+                         entropy=total["entropy"] / per_token, grad_norm=total["grad_norm"] / k,
+                         clip_fraction=total["clip"] / per_token, importance_ratio_mean=total["ratio"] / per_token,
+                         trained_tokens=int(total["trained_tokens"]), micro_batches=int(total["passes"]),
+                         trainer_seconds=time.perf_counter() - start,
+                         skipped_samples=int(total["batch_size"] - total["trained_samples"]),
+                         skipped_tokens=int(total["loss_tokens"] - total["trained_tokens"]),
+                         learning_rate=total["learning_rate"] / k)
+
+    def minibatches(self, samples: list[TrainSample], k: int) -> list[list[TrainSample]]:
+        """``samples`` in ``k`` minibatches: those with a gradient dealt by tokens (``split_by_tokens``), the
+        skippable ones (which only count in a minibatch's normaliser) dealt in turn; batch order kept."""
+        active = [i for i, s in enumerate(samples) if not self.skippable(s)]
+        shares = split_by_tokens([len(samples[i].prompt_tokens) + len(samples[i].response_tokens) for i in active],
+                                 k)
+        owner = {active[j]: part for part, share in enumerate(shares) for j in share}
+        skipped = [i for i in range(len(samples)) if i not in owner]
+        owner |= {i: n % k for n, i in enumerate(skipped)}
+        return [[s for i, s in enumerate(samples) if owner[i] == part] for part in range(k)]
+
+    @torch.no_grad()
+    def with_proximal(self, samples: list[TrainSample]) -> list[TrainSample]:
+        """``samples`` with ``proximal_logprobs``: each response token's log-prob under the current weights.
+
+        Forward passes only (no gradient), packed as ``step`` packs them; skippable samples are not
+        forwarded and keep None. Sharded, every rank runs as many passes (a collective).
+        """
+        out = list(samples)
+        active = [i for i, s in enumerate(samples) if not self.skippable(s)]
+        groups = pack_micro_batches([len(samples[i].prompt_tokens) + len(samples[i].response_tokens) for i in active],
+                                    self.cfg.micro_batch_tokens)
+        passes = int(self._global([len(groups)], op="max")[0])
+        for k in range(passes):
+            index = [active[i] for i in groups[k]] if k < len(groups) else []
+            batch = {key: v.to(self.device) for key, v in
+                     _collate([samples[i] for i in index] or [self._empty_sample()], self.pad_id).items()}
+            logits = self.model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits[:, :-1]
+            logp = grpo.token_logprobs(logits, batch["ids"][:, 1:]).float().cpu()
+            for row, i in enumerate(index):
+                s = samples[i]
+                begin = len(s.prompt_tokens) - 1
+                out[i] = dataclasses.replace(s, proximal_logprobs=logp[row, begin:begin + len(s.response_tokens)]
+                                             .tolist())
+        return out
+
+    def _optimizer_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One optimiser step on ``samples`` (a batch or one of its minibatches); the whole batch's sums."""
         loss_tokens = int(sum(sum(s.loss_mask) for s in samples))
         active = [s for s in samples if not self.skippable(s)]
         trained_tokens = int(sum(sum(s.loss_mask) for s in active))
@@ -221,15 +293,10 @@ class Trainer:
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         self.optimizer.step()
-        self.version += 1
         sums = dict(zip(sums, self._global(list(sums.values()))))
-        per_token = float(max(trained_tokens, 1))
-        return TrainStep(version=self.version, loss=sums["loss"], kl=sums["kl"] / per_token,
-                         entropy=sums["entropy"] / per_token, grad_norm=float(grad_norm),
-                         clip_fraction=sums["clip"] / per_token, importance_ratio_mean=sums["ratio"] / per_token,
-                         trained_tokens=trained_tokens, micro_batches=passes,
-                         trainer_seconds=time.perf_counter() - start, skipped_samples=batch_size - trained_samples,
-                         skipped_tokens=loss_tokens - trained_tokens, learning_rate=lr)
+        return sums | {"grad_norm": float(grad_norm), "learning_rate": lr, "passes": passes,
+                       "loss_tokens": loss_tokens, "batch_size": batch_size, "trained_tokens": trained_tokens,
+                       "trained_samples": trained_samples}
 
     def _empty_sample(self) -> TrainSample:
         """A two-token sample with no loss token and weight 0: a pass whose gradient is exactly zero."""
@@ -264,7 +331,8 @@ class Trainer:
         targets = batch["ids"][:, 1:]
         logp = grpo.token_logprobs(logits, targets)
         mask = batch["mask"]
-        per_token, clipped = self.policy_loss(logp, batch["behaviour"], batch["adv"], self.cfg)
+        per_token, clipped = self.policy_loss(LossInputs(logp, batch["behaviour"], batch["adv"], mask,
+                                                         batch.get("proximal")), self.cfg)
         kl = torch.zeros_like(logp)
         if self.reference is not None:
             with torch.no_grad():

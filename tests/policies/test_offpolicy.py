@@ -93,3 +93,38 @@ def test_replay_weight_hand_computed() -> None:
     with pytest.raises(ValueError, match="reuse_decay"):
         offpolicy.replay_weight(1, 1, reuse_decay=0.0)
     assert math.isclose(offpolicy.replay_weight(0, 4), 0.9**4)
+
+
+def test_sequence_and_geometric_weights_hand_computed() -> None:
+    # token log-ratios ln 2, ln 4, ln 8 on the first two tokens only (mask 1, 1, 0); second row all masked
+    anchor = torch.zeros(2, 3)
+    behaviour = torch.stack([_log(0.5, 0.25, 0.125)[0], _log(0.5, 0.5, 0.5)[0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    token = offpolicy.capped_is_weights(anchor, behaviour, 100.0)
+    assert torch.allclose(token, torch.tensor([[2.0, 4.0, 8.0], [2.0, 2.0, 2.0]]))
+    # sequence: exp(ln 2 + ln 4) = 8 on every token of the row; an all-masked row: exp(0) = 1
+    sequence = offpolicy.capped_is_weights(anchor, behaviour, 100.0, level="sequence", mask=mask)
+    assert torch.allclose(sequence, torch.tensor([[8.0] * 3, [1.0] * 3]))
+    # geometric: exp((ln 2 + ln 4) / 2) = sqrt(8)
+    geometric = offpolicy.capped_is_weights(anchor, behaviour, 100.0, level="geometric", mask=mask)
+    assert torch.allclose(geometric, torch.tensor([[math.sqrt(8.0)] * 3, [1.0] * 3]))
+    # cap 5: truncate -> 5; mask (MIS) -> the whole sequence dropped
+    assert torch.allclose(offpolicy.capped_is_weights(anchor, behaviour, 5.0, "truncate", "sequence", mask),
+                          torch.tensor([[5.0] * 3, [1.0] * 3]))
+    assert torch.allclose(offpolicy.capped_is_weights(anchor, behaviour, 5.0, "mask", "sequence", mask),
+                          torch.tensor([[0.0] * 3, [1.0] * 3]))
+
+
+def test_sequence_weights_of_long_sequences_do_not_overflow() -> None:
+    # 2,000 tokens at log-ratio 1 each: exp(2000) is inf in float32; the cap is applied in log space
+    anchor, behaviour, mask = torch.ones(1, 2000), torch.zeros(1, 2000), torch.ones(1, 2000)
+    assert offpolicy.capped_is_weights(anchor, behaviour, 2.0, "truncate", "sequence", mask).unique().tolist() == [
+        pytest.approx(2.0)]
+    assert offpolicy.capped_is_weights(anchor, behaviour, 2.0, "mask", "sequence", mask).unique().tolist() == [0.0]
+
+
+def test_sequence_levels_need_the_mask_and_known_names() -> None:
+    with pytest.raises(ValueError, match="need the loss mask"):
+        offpolicy.capped_is_weights(torch.zeros(1, 2), torch.zeros(1, 2), 2.0, level="sequence")
+    with pytest.raises(ValueError, match="'token', 'sequence' or 'geometric'"):
+        offpolicy.capped_is_weights(torch.zeros(1, 2), torch.zeros(1, 2), 2.0, level="word", mask=torch.ones(1, 2))

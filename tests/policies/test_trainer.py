@@ -132,6 +132,78 @@ def test_lr_by_weight_keeps_the_full_rate_for_a_batch_with_nothing_to_train(rand
     assert trainer.step(flat).learning_rate == pytest.approx(1e-3)
 
 
+def test_minibatches_keep_every_sample_and_give_each_one_with_a_gradient(random_model_dir: Path) -> None:
+    samples = _with_zero_advantage(_samples(11, seed=8), every=4)  # 3 of 11 have advantage 0
+    trainer = Trainer(str(random_model_dir), TrainConfig(), seed=0)
+    parts = trainer.minibatches(samples, 3)
+    assert sorted(id(s) for part in parts for s in part) == sorted(id(s) for s in samples)
+    assert all(any(s.advantage != 0.0 for s in part) for part in parts)
+    tokens = [sum(len(s.prompt_tokens) + len(s.response_tokens) for s in part if s.advantage != 0.0) for part in parts]
+    longest = max(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
+    assert max(tokens) - min(tokens) <= longest  # dealt by tokens: balanced within one sample
+
+
+def test_with_proximal_records_each_response_token_log_prob_under_the_current_weights(
+        random_model_dir: Path) -> None:
+    samples = _samples(5, seed=9)
+    trainer = Trainer(str(random_model_dir), TrainConfig(micro_batch_tokens=64), seed=0)
+    recorded = trainer.with_proximal(samples)
+    for s, r in zip(samples, recorded):
+        ids = torch.tensor([s.prompt_tokens + s.response_tokens])
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids).logits[0, :-1]
+        expected = torch.log_softmax(logits.float(), -1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
+        assert r.proximal_logprobs == pytest.approx(expected[len(s.prompt_tokens) - 1:].tolist(), abs=1e-5)
+        assert s.proximal_logprobs is None  # the input is not changed
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_several_minibatches_are_as_many_optimiser_steps_and_one_version(random_model_dir: Path) -> None:
+    """ppo ignores the proximal log-probs: k minibatches equal k one-minibatch steps on the same split."""
+    samples = _with_zero_advantage(_samples(12, seed=10), every=5)
+    split = Trainer(str(random_model_dir), TrainConfig(policy_loss="ppo", minibatches_per_step=3,
+                                                       learning_rate=1e-2), seed=0)
+    parts = split.minibatches(samples, 3)
+    metrics = split.step(samples)
+    assert metrics.version == split.version == 1
+    assert metrics.trained_tokens == sum(sum(s.loss_mask) for s in samples if s.advantage != 0.0)
+    one_by_one = Trainer(str(random_model_dir), TrainConfig(policy_loss="ppo", learning_rate=1e-2), seed=0)
+    for part in parts:
+        one_by_one.step(part)
+    a, b = _params(split), _params(one_by_one)
+    assert max(float((a[n] - b[n]).abs().max()) for n in a) < 1e-6
+
+
+def test_later_minibatches_clip_against_the_weights_the_step_started_from(random_model_dir: Path) -> None:
+    """decoupled: the first minibatch sees r = 1; later ones see r != 1 and the clip engages (and differs from
+    re-anchoring every minibatch, which is what k one-minibatch steps would do)."""
+    samples = _samples(12, seed=11)
+    cfg = {"minibatches_per_step": 4, "learning_rate": 5e-2, "clip_eps_low": 0.01, "clip_eps_high": 0.01,
+           "is_weight_cap": 100.0}  # no weight is capped: what is reported is the clip alone
+    split = Trainer(str(random_model_dir), TrainConfig(**cfg), seed=0)
+    parts = split.minibatches(samples, 4)
+    metrics = split.step(samples)
+    assert metrics.clip_fraction > 0.0  # with r = 1 everywhere (one step per batch) it could not be
+    reanchored = Trainer(str(random_model_dir), TrainConfig(**(cfg | {"minibatches_per_step": 1})), seed=0)
+    clipped = [reanchored.step(part).clip_fraction for part in parts]
+    assert clipped == [0.0] * 4
+    a, b = _params(split), _params(reanchored)
+    assert max(float((a[n] - b[n]).abs().max()) for n in a) > 1e-4
+
+
+def test_minibatches_are_cut_to_the_samples_with_a_gradient(random_model_dir: Path) -> None:
+    samples = _with_zero_advantage(_samples(6, seed=12), every=1)
+    samples[2] = TrainSample(samples[2].prompt_tokens, samples[2].response_tokens, samples[2].behaviour_logprobs,
+                             samples[2].loss_mask, advantage=0.5, loss_weight=1.0)
+    trainer = Trainer(str(random_model_dir), TrainConfig(minibatches_per_step=4), seed=0)
+    trainer.step(samples)
+    steps = {int(state["step"]) for state in trainer.optimizer.state.values()}
+    assert steps == {1}  # one optimiser step: one sample has a gradient
+
+
 def test_step_raises_logprob_of_positive_advantage_response(random_model_dir: Path) -> None:
     trainer = Trainer(str(random_model_dir), TrainConfig(learning_rate=1e-2), seed=0)
     prompt, good, bad = [10, 11, 12], [20, 21, 22, 2], [30, 31, 2]
