@@ -20,9 +20,14 @@ A training batch is a set of whole GRPO groups taken from the
 3. **Then replayed groups** (used at least once, fewer than ``max_reuse``
    times) while the batch has room and the replayed samples stay within
    ``replay_ratio`` of the samples actually returned. Order (``replay_order``):
-   ``newest`` (highest policy version first) or ``advantage`` (largest mean
+   ``newest`` (highest policy version first), ``advantage`` (largest mean
    ``|r - mean_group(r)|`` first, i.e. the mean absolute centred advantage:
-   groups whose rewards are all equal carry no GRPO gradient and go last).
+   groups whose rewards are all equal carry no GRPO gradient and go last) or
+   ``signal`` (the learning signal a replay still carries: that spread times
+   the loss weight the group would get, ``reuse_decay ** reuse *
+   staleness_decay ** (tv - oldest)`` as in ``policies.offpolicy.replay_weight``,
+   largest first; groups with no spread are not replayed at all, since they
+   would only add tokens to the loss normaliser).
    Ties: newer, then less reused, then ``group_id``, so the order is total.
 4. **Fewer, never wrong.** If too few admissible groups exist the selection is
    smaller (possibly empty) and the caller decides whether to wait; the
@@ -61,7 +66,9 @@ class ReplayPolicy:
     max_staleness_versions: int  # trainer_version - policy_version (oldest token) never exceeds it
     replay_ratio: float  # largest share of a batch, in samples, from already-trained trajectories
     max_reuse: int  # a trajectory is trained on at most this many times (1 = never replayed)
-    replay_order: Literal["newest", "advantage"] = "newest"  # which replayed groups go first
+    replay_order: Literal["newest", "advantage", "signal"] = "newest"  # which replayed groups go first
+    reuse_decay: float = 0.5  # "signal": a replay's weight factor per previous use (replay_weight's)
+    staleness_decay: float = 0.9  # "signal": its factor per version of age
 
     def __post_init__(self) -> None:
         if self.max_staleness_versions < 0:
@@ -70,8 +77,11 @@ class ReplayPolicy:
             raise ValueError(f"replay_ratio must be in [0, 1], got {self.replay_ratio}")
         if self.max_reuse < 1:
             raise ValueError(f"max_reuse must be >= 1 (1 = never replay), got {self.max_reuse}")
-        if self.replay_order not in ("newest", "advantage"):
-            raise ValueError(f"replay_order must be 'newest' or 'advantage', got {self.replay_order!r}")
+        if self.replay_order not in ("newest", "advantage", "signal"):
+            raise ValueError(f"replay_order must be 'newest', 'advantage' or 'signal', got {self.replay_order!r}")
+        for name, decay in (("reuse_decay", self.reuse_decay), ("staleness_decay", self.staleness_decay)):
+            if not 0.0 < decay <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {decay}")
 
 
 @dataclass(frozen=True)
@@ -97,11 +107,18 @@ class ReplaySelection(BatchSelection):
 
 # Sort keys of the group order within each part (0: unused, 1: replayed); one window serves both parts,
 # so unused groups sort by age ascending and replayed ones by the replay order.
-_GROUP_ORDER = {
-    "newest": "CASE WHEN part = 0 THEN oldest ELSE -oldest END, reuse, group_id",
-    "advantage": "CASE WHEN part = 0 THEN 0.0 ELSE -spread END, CASE WHEN part = 0 THEN oldest ELSE -oldest END, "
-                 "reuse, group_id",
-}
+_AGE = "CASE WHEN part = 0 THEN oldest ELSE -oldest END, reuse, group_id"
+
+
+def _group_order(policy: ReplayPolicy, trainer_version: int) -> str:
+    """The ORDER BY of the groups within each part, for ``policy.replay_order``."""
+    if policy.replay_order == "newest":
+        return _AGE
+    key = "spread"
+    if policy.replay_order == "signal":
+        key = (f"spread * POWER({float(policy.reuse_decay)!r}, reuse) * "
+               f"POWER({float(policy.staleness_decay)!r}, {int(trainer_version)} - oldest)")
+    return f"CASE WHEN part = 0 THEN 0.0 ELSE -({key}) END, {_AGE}"
 
 
 def select_batch_sql(run_id: str, trainer_version: int, groups_needed: int, policy: ReplayPolicy, *,
@@ -129,13 +146,14 @@ def select_batch_sql(run_id: str, trainer_version: int, groups_needed: int, poli
     g = int(groups_needed)
     uses = (f"SELECT trajectory_id, COUNT(*) AS uses FROM usage "
             f"WHERE run_id = {run} AND trainer_version >= {lo} GROUP BY trajectory_id")
-    advantage = policy.replay_order == "advantage"
+    advantage = policy.replay_order in ("advantage", "signal")
     # mean |r - mean_group(r)|: needs each row's group mean, hence a window (only for this order).
     centred = ", ABS(w.reward - AVG(w.reward) OVER (PARTITION BY w.group_id)) AS abs_adv" if advantage else ""
     spread = ", AVG(abs_adv) AS spread" if advantage else ""
     complete = f" AND n = {int(samples_per_prompt)}" if samples_per_prompt is not None else ""
     reuse_cap = int(policy.max_reuse) if policy.replay_ratio > 0 else 1
-    order = _GROUP_ORDER[policy.replay_order]
+    order = _group_order(policy, tv)
+    signal_only = " AND (reuse = 0 OR spread > 0)" if policy.replay_order == "signal" else ""
     return f"""
 WITH win AS (
   SELECT trajectory_id, group_id, sample_index, policy_version, reward FROM trajectories
@@ -151,7 +169,7 @@ WITH win AS (
                                 'sample_index', sample_index)) AS members
   FROM rows GROUP BY group_id
 ), candidates AS (
-  SELECT *, CASE WHEN reuse = 0 THEN 0 ELSE 1 END AS part FROM grp WHERE reuse < {reuse_cap}{complete}
+  SELECT *, CASE WHEN reuse = 0 THEN 0 ELSE 1 END AS part FROM grp WHERE reuse < {reuse_cap}{complete}{signal_only}
 ), ranked AS (
   SELECT *, ROW_NUMBER() OVER (PARTITION BY part ORDER BY {order}) AS pos,
          SUM(n) OVER (PARTITION BY part ORDER BY {order} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)

@@ -230,7 +230,8 @@ class RaySelector:
         b = cfg.buffer
         self.policy = ReplayPolicy(max_staleness_versions=b.max_staleness_versions,
                                    replay_ratio=b.replay_ratio if replay else 0.0,
-                                   max_reuse=b.max_reuse if replay else 1, replay_order=b.replay_order)
+                                   max_reuse=b.max_reuse if replay else 1, replay_order=b.replay_order,
+                                   reuse_decay=b.reuse_decay, staleness_decay=b.staleness_decay)
         self.weight_fn = (lambda reuse, age: replay_weight(reuse, age, b.reuse_decay, b.staleness_decay))
         self.state, self.controller, self.on_step = state, controller, on_step
         self.tokens_by_engine = tokens_by_engine  # the feeder's running counts (main engines first)

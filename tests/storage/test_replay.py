@@ -74,6 +74,10 @@ def _check(sel: ReplaySelection, model: Model, tv: int, policy: ReplayPolicy, ne
         assert v == model.rows[tid].policy_version
         assert kind == ("replay" if reuse else "fresh" if v == tv else "stale")
         assert w == pytest.approx(_weight(reuse, tv - v))
+    # "signal" never replays a group whose rewards are all equal (no gradient)
+    if policy.replay_order == "signal":
+        for g in {g for g, kind in zip(sel.group_ids, sel.kinds) if kind == "replay"}:
+            assert len({model.rows[t].reward for t in model.groups[g]}) > 1, g
     # whole groups, contiguous in the lists, at most `needed` of them
     chosen = list(dict.fromkeys(sel.group_ids))
     assert len(chosen) <= needed
@@ -100,7 +104,8 @@ def _random_schedule(rng: random.Random, root: Path) -> int:
     source = DeltaTrajectoryStore(root) if rng.random() < 0.5 else store
     policy = ReplayPolicy(max_staleness_versions=rng.choice([0, 1, 2, 3, 3]),
                           replay_ratio=rng.choice([0.0, 0.3, 0.5, 0.75, 1.0, 1.0]),
-                          max_reuse=rng.choice([1, 2, 3, 3]), replay_order=rng.choice(["newest", "advantage"]))
+                          max_reuse=rng.choice([1, 2, 3, 3]),
+                          replay_order=rng.choice(["newest", "advantage", "signal"]))
     size, model, tv, step, appends = rng.randint(2, 3), Model(), 0, 0, 0
     for _ in range(rng.randint(5, 9)):
         records: list[Trajectory] = []
@@ -222,6 +227,30 @@ def test_replay_order_by_advantage(tmp_path: Path) -> None:
     assert list(dict.fromkeys(by_advantage.group_ids)) == ["half_new", "half", "skew", "flat"]
     newest = select_batch(store, RUN, 1, 4, ReplayPolicy(1, 1.0, 2, "newest"))
     assert list(dict.fromkeys(newest.group_ids)) == ["half_new", "flat", "half", "skew"]
+
+
+def test_replay_order_by_signal_weighs_the_spread_by_reuse_and_age(tmp_path: Path) -> None:
+    store = DeltaTrajectoryStore(tmp_path)
+    # at trainer version 2 (decays 0.5 per use, 0.9 per version), spread x weight:
+    #   "old_wide"   v0, used once:  0.5   * 0.5    * 0.81 = 0.2025
+    #   "new_narrow" v2, used once:  0.375 * 0.5    * 1    = 0.1875
+    #   "reused"     v2, used twice: 0.5   * 0.25   * 1    = 0.125
+    #   "flat"       v2, used once:  0 -> never replayed
+    groups = {"old_wide": (0, [1.0, 0.0, 1.0, 0.0], 1), "new_narrow": (2, [1.0, 0.0, 0.0, 0.0], 1),
+              "reused": (2, [0.0, 1.0, 0.0, 1.0], 2), "flat": (2, [1.0, 1.0, 1.0, 1.0], 1)}
+    records = {name: _group(name, version, 4, rewards) for name, (version, rewards, _) in groups.items()}
+    store.append_trajectories([r for group in records.values() for r in group], app_id="f", txn_version=0)
+    usage = [Usage(RUN, r.trajectory_id, step, 2, 1.0, 0)
+             for name, (_, _, uses) in groups.items() for step in range(uses) for r in records[name]]
+    store.append_usage(usage, app_id="t", txn_version=0)
+    signal = select_batch(store, RUN, 2, 4, ReplayPolicy(2, 1.0, 3, "signal"))
+    assert list(dict.fromkeys(signal.group_ids)) == ["old_wide", "new_narrow", "reused"]
+    # the advantage order takes the spread alone (newer first among ties) and replays the flat group last
+    advantage = select_batch(store, RUN, 2, 4, ReplayPolicy(2, 1.0, 3, "advantage"))
+    assert list(dict.fromkeys(advantage.group_ids)) == ["reused", "old_wide", "new_narrow", "flat"]
+    # a steeper age decay (0.7 per version: 0.5 * 0.5 * 0.49 = 0.1225) puts the old group last
+    steep = select_batch(store, RUN, 2, 4, ReplayPolicy(2, 1.0, 3, "signal", staleness_decay=0.7))
+    assert list(dict.fromkeys(steep.group_ids)) == ["new_narrow", "reused", "old_wide"]
 
 
 def test_incomplete_groups_wait_and_runs_are_separate(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ def _count_reads(store: DeltaTrajectoryStore, monkeypatch: pytest.MonkeyPatch) -
     return reads
 
 
-@pytest.mark.parametrize("order", ["newest", "advantage"])
+@pytest.mark.parametrize("order", ["newest", "advantage", "signal"])
 def test_the_window_fed_by_commits_selects_what_the_whole_tables_give(tmp_path: Path, order: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(order)
