@@ -30,6 +30,7 @@ idle device time instead, which this machine cannot measure.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from reflow.bench.mode_bench import BASELINES, SPEEDUP_TARGETS, ModeResult, seed_rows
@@ -90,4 +91,76 @@ def limits_table(limits: dict[str, Any]) -> str:
                          f"{p['needed']:.2f}, has {p['data'] * p['efficiency']:.2f}")
     if len(lines) == 1:
         lines.append("  no seed with the figures (a baseline reaching the target and the CPU idle share measured)")
+    return "\n".join(lines)
+
+
+# The issue's bar for the data factor against sync (median over seeds), and for final accuracy.
+DATA_TARGETS = {"async": 1.0, "reflow": 1.2}
+ACCURACY_TOLERANCE = 0.02
+
+
+def data_factors(results: list[ModeResult]) -> dict[str, Any]:
+    """Every mode's data factor against sync, seed by seed of each invocation, and its median per invocation.
+
+    ``data = S_sync / S_mode`` (new samples to target; above 1: the mode
+    needs fewer new samples than sync). Per row: ``samples_to_target``,
+    ``data`` (None where either never reached the target), ``time_to_target_s``,
+    ``final_accuracy`` and its difference from sync's. Per invocation and mode
+    (an invocation is one bench output: one variant of the config): the
+    medians of ``data`` and of the accuracy difference over its seeds, and
+    whether they meet ``DATA_TARGETS`` and ``ACCURACY_TOLERANCE``.
+    """
+    rows: list[dict[str, Any]] = []
+    modes = [m for m in ("sync", *BASELINES[1:], "reflow") if any(r.mode == m for r in results)]
+    modes += sorted({r.mode for r in results} - set(modes))
+    for invocation, seed, by_mode in seed_rows(results, "sync"):
+        sync = by_mode["sync"]
+        for mode in modes:
+            if mode not in by_mode:
+                continue
+            r = by_mode[mode]
+            data = (sync.samples_to_target / r.samples_to_target
+                    if sync.samples_to_target and r.samples_to_target else None)
+            rows.append({"invocation": invocation, "seed": seed, "mode": mode,
+                         "samples_to_target": r.samples_to_target, "data": data,
+                         "time_to_target_s": r.time_to_target_s, "final_accuracy": r.final_accuracy,
+                         "accuracy_vs_sync": r.final_accuracy - sync.final_accuracy,
+                         "staleness_mean": r.staleness_mean, "replay_share": r.replay_share})
+    medians: list[dict[str, Any]] = []
+    for invocation in dict.fromkeys(r["invocation"] for r in rows):
+        for mode in modes:
+            mine = [r for r in rows if r["invocation"] == invocation and r["mode"] == mode]
+            if not mine or mode == "sync":
+                continue
+            data = [r["data"] if r["data"] is not None else 0.0 for r in mine]  # never reached: no data at all
+            accuracy = statistics.median(r["accuracy_vs_sync"] for r in mine)
+            goal = DATA_TARGETS.get(mode)
+            medians.append({"invocation": invocation, "mode": mode, "seeds": len(mine),
+                            "data_median": statistics.median(data), "accuracy_vs_sync_median": accuracy,
+                            "data_target": goal,
+                            "met": None if goal is None else (statistics.median(data) >= goal
+                                                              and accuracy >= -ACCURACY_TOLERANCE)})
+    return {"per_seed": rows, "medians": medians}
+
+
+def data_table(factors: dict[str, Any]) -> str:
+    """``data_factors`` as text: one line per seed and mode, then the medians."""
+    lines = ["data factor against sync (sync's new samples to target / the mode's), seed by seed",
+             f"  {'bench/seed':<24}{'mode':<14}{'new smp to tgt':>15}{'data':>7}{'to target s':>12}"
+             f"{'final acc':>10}{'vs sync':>8}{'stale':>6}{'replay':>7}"]
+    for r in factors["per_seed"]:
+        samples = "never" if r["samples_to_target"] is None else f"{r['samples_to_target']:.0f}"
+        data = "-" if r["data"] is None else f"{r['data']:.2f}"
+        ttt = "never" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
+        lines.append(f"  {r['invocation'] + '/s' + str(r['seed']):<24}{r['mode']:<14}{samples:>15}{data:>7}"
+                     f"{ttt:>12}{r['final_accuracy']:>10.3f}{r['accuracy_vs_sync']:>+8.3f}"
+                     f"{r['staleness_mean']:>6.2f}{r['replay_share']:>7.0%}")
+    for m in factors["medians"]:
+        goal = "" if m["data_target"] is None else (
+            f" (target {m['data_target']:.1f} with accuracy within {ACCURACY_TOLERANCE}: "
+            f"{'met' if m['met'] else 'not met'})")
+        lines.append(f"  {m['invocation']} {m['mode']}: median data {m['data_median']:.2f} over {m['seeds']} "
+                     f"seed(s), final accuracy {m['accuracy_vs_sync_median']:+.3f} against sync{goal}")
+    if len(lines) == 2:
+        lines.append("  no seed with a sync row")
     return "\n".join(lines)

@@ -99,13 +99,19 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
             results += mode_bench.load_results(path)
         except ValueError as exc:
             raise InputError(str(exc)) from exc
-    if not any(r.mode == "reflow" for r in results):
-        raise InputError(f"no reflow rows in {', '.join(args.dirs)}")
-    speedups = mode_bench.seed_speedups(results)
-    limits = decompose.speed_limits(results)
-    print(mode_bench.seed_table(speedups) + "\n\n" + decompose.limits_table(limits), flush=True)
+    if not any(r.mode in ("reflow", "sync") for r in results):
+        raise InputError(f"no reflow or sync rows in {', '.join(args.dirs)}")
+    report: dict = {}
+    parts = []
+    if any(r.mode == "reflow" for r in results):
+        report = {**mode_bench.seed_speedups(results), "limits": decompose.speed_limits(results)}
+        parts += [mode_bench.seed_table(report), decompose.limits_table(report["limits"])]
+    if any(r.mode == "sync" for r in results):
+        report["data"] = decompose.data_factors(results)
+        parts.append(decompose.data_table(report["data"]))
+    print("\n\n".join(parts), flush=True)
     if args.output:
         tmp = Path(args.output).with_name(Path(args.output).name + ".tmp")
-        tmp.write_text(json.dumps({**speedups, "limits": limits}, indent=2))
+        tmp.write_text(json.dumps(report, indent=2))
         tmp.replace(args.output)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,36 @@ def test_limits_table_says_when_no_seed_has_the_figures(tmp_path: Path) -> None:
     limits = decompose.speed_limits(results)
     assert "vs_sync" not in limits["per_seed"][0]
     assert "no seed with the figures" in decompose.limits_table(limits)
+
+
+def test_data_factors_by_hand(tmp_path: Path) -> None:
+    a, b = tmp_path / "base", tmp_path / "variant"
+
+    def run(out: Path, mode: str, seed: int, samples: float | None, final: float) -> mode_bench.ModeResult:
+        return dataclasses.replace(_result(out, mode, seed, 10.0 if samples else None, final),
+                                   samples_to_target=samples)
+
+    results = [
+        # base/s0: async needs 2,400 new samples where sync needed 2,000 (0.83); reflow 1,600 (1.25)
+        run(a, "sync", 0, 2000.0, 0.50), run(a, "async", 0, 2400.0, 0.49), run(a, "reflow", 0, 1600.0, 0.45),
+        # base/s1: async never reached the target (data 0 in the median), reflow 1,000 against 3,000 (3.0)
+        run(a, "sync", 1, 3000.0, 0.40), run(a, "async", 1, None, 0.30), run(a, "reflow", 1, 1000.0, 0.41),
+        # variant/s0: its own sync is the reference
+        run(b, "sync", 0, 1500.0, 0.50), run(b, "async", 0, 1000.0, 0.52),
+    ]
+    factors = decompose.data_factors(results)
+    rows = {(r["invocation"], r["seed"], r["mode"]): r for r in factors["per_seed"]}
+    assert rows[("base", 0, "async")]["data"] == pytest.approx(2000 / 2400)
+    assert rows[("base", 0, "reflow")]["accuracy_vs_sync"] == pytest.approx(-0.05)
+    assert rows[("base", 1, "async")]["data"] is None and rows[("base", 1, "reflow")]["data"] == pytest.approx(3.0)
+    assert rows[("variant", 0, "async")]["data"] == pytest.approx(1.5)
+    medians = {(m["invocation"], m["mode"]): m for m in factors["medians"]}
+    assert medians[("base", "async")]["data_median"] == pytest.approx((2000 / 2400 + 0.0) / 2)
+    assert medians[("base", "async")]["met"] is False
+    # reflow: median data (1.25 + 3.0) / 2 over the 1.2 bar, but accuracy median (-0.05 + 0.01) / 2 = -0.02: met
+    assert medians[("base", "reflow")]["data_median"] == pytest.approx(2.125)
+    assert medians[("base", "reflow")]["accuracy_vs_sync_median"] == pytest.approx(-0.02)
+    assert medians[("variant", "async")]["met"] is True
+    text = decompose.data_table(factors)
+    assert re.search(r"base/s1 +async +never +- +never +0\.300 +-0\.100", text)
+    assert "base reflow: median data 2.12 over 2 seed(s)" in text

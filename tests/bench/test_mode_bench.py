@@ -235,6 +235,7 @@ def test_bench_json_round_trips_and_bench_report_reads_several(tmp_path: Path) -
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["spread"]["vs_sync"]["met"] == 1 and len(report["limits"]["per_seed"]) == 2
     assert "speedup = data x utilisation x efficiency" in done.stdout
+    assert "data factor against sync" in done.stdout and len(report["data"]["per_seed"]) == 4
     (tmp_path / "bad.json").write_text("{}")
     for args, message in (([str(tmp_path / "nowhere")], "no bench.json there"),
                           ([str(tmp_path / "bad.json")], "not a bench.json"),
