@@ -91,6 +91,7 @@ class Window:
     finished: list[SimSample]
     busy_s: float  # engine-seconds spent stepping, summed over engines
     slot_s: float  # running sequences x step seconds, summed (for the bubble)
+    busy_by_engine: dict[int, float] = field(default_factory=dict)  # engine index -> its stepping seconds
 
 
 class EnginePool:
@@ -103,16 +104,21 @@ class EnginePool:
         self.prompt_tokens = int(round(profile.lengths.prompt_tokens))
         self.samples, self.max_response_tokens = samples, max_response_tokens
         self.engines = [_Engine(max_sequences) for _ in range(engines)]
+        self.engine_of: dict[int, int] = {}  # group -> the engine it was given to
         self.rewards: dict[int, np.ndarray] = {}
         self.pushed: list[tuple[float, int]] = []  # (arrival time, version) of weights on their way
         self.training: list[tuple[float, float]] = []  # the trainer's compute intervals (engine slowdown)
         self.streaming = profile.engine.streaming(mode) if mode in STREAMING else 1.0
 
-    def submit(self, groups: Sequence[int], spread: str = "least_loaded") -> None:
-        """Whole groups: each to the engine with the fewest requests (streaming) or round-robin (rounds)."""
+    def submit(self, groups: Sequence[int], spread: str = "least_loaded", to: int | None = None) -> None:
+        """Whole groups: to engine ``to`` (the streaming feeder deals them), else each to the engine with the
+        fewest requests or round-robin (rounds)."""
         for i, g in enumerate(groups):
-            engine = (min(self.engines, key=lambda e: e.requests) if spread == "least_loaded"
-                      else self.engines[i % len(self.engines)])
+            index = (to if to is not None else
+                     min(range(len(self.engines)), key=lambda j: self.engines[j].requests)
+                     if spread == "least_loaded" else i % len(self.engines))
+            engine = self.engines[index]
+            self.engine_of[g] = index
             lengths, self.rewards[g] = self.lengths.group(self.rng, self.samples, self.measured)
             lengths = np.minimum(lengths, self.max_response_tokens)
             engine.waiting += [(g, k, int(n)) for k, n in enumerate(lengths)]
@@ -143,7 +149,8 @@ class EnginePool:
         window finishes, as in ``infra.actors.EngineWorker.drain``); new weights load first."""
         finished: list[SimSample] = []
         end, busy, slots = start, 0.0, 0.0
-        for e in self.engines:
+        by_engine: dict[int, float] = {}
+        for index, e in enumerate(self.engines):
             t = start
             arrived = [v for at, v in self.pushed if at <= start and v > e.version]
             if arrived:
@@ -157,9 +164,10 @@ class EnginePool:
                 t, s = self._run(e, t, began + window_s, prefill, finished)
                 slots += s
             busy += t - began
+            by_engine[index] = t - began
             end = max(end, t)
         self.pushed = [(at, v) for at, v in self.pushed if v > min(e.version for e in self.engines)]
-        return Window(end, finished, busy, slots)
+        return Window(end, finished, busy, slots, by_engine)
 
     def _admit(self, e: _Engine) -> int:
         """Fill free slots from the waiting requests; their prompt tokens are prefilled in the next step."""
@@ -286,8 +294,8 @@ class _Feeder:
         self.samples_per_group = pool.samples
         self.windows = 0
 
-    def submit(self, groups: Sequence[int]) -> None:
-        self.pool.submit(groups)
+    def submit(self, groups: Sequence[int], engine: int = 0) -> None:
+        self.pool.submit(groups, to=engine)
 
     def start_drain(self, window_s: float) -> Window:
         self.windows += 1
@@ -295,8 +303,9 @@ class _Feeder:
 
     def wait_drain(self, handle: Window) -> Drained:
         self.sched.wait_until(handle.end)
-        items = [Finished(s.group, s, s.length) for s in handle.finished]
-        return Drained(items, busy_s=handle.busy_s, in_flight=self.pool.in_flight)
+        items = [Finished(s.group, s, s.length, self.pool.engine_of[s.group]) for s in handle.finished]
+        return Drained(items, busy_s=handle.busy_s, in_flight=self.pool.in_flight,
+                       busy_by_engine=handle.busy_by_engine)
 
     def write(self, chunk: int, groups: dict[int, list[Finished]]) -> None:
         samples = [f.result for g in sorted(groups) for f in groups[g]]

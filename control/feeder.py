@@ -1,7 +1,9 @@
 """The feeder loop of the streaming modes: generators -> score -> buffer.
 
 It keeps the engines filled with whole GRPO groups up to the concurrency
-target (``control.concurrency``) and the staleness gate (``control.gate``),
+target (``control.concurrency``: one controller per engine, each judging its
+own engine's windows, so a slower or busier engine, such as an elastic one,
+gets its own target) and the staleness gate (``control.gate``),
 steps them in short drain windows, and appends each group to the
 ``trajectories`` table as soon as all its samples are finished. Scoring and
 writing the previous window overlap the engine's next window. A group whose
@@ -27,6 +29,7 @@ class Finished:
     group: int
     result: Any  # policies.engines.GenResult
     tokens: int
+    engine: int = 0  # index of the engine that generated it
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,15 @@ class Drained:
     """What one drain window returned."""
 
     finished: list[Finished]
-    busy_s: float  # engine time spent stepping
+    busy_s: float  # engine time spent stepping (the pool's: averaged over its engines)
     in_flight: int  # requests still running after the window
+    # engine index -> its own stepping seconds, for the engines whose window ended here (None: engine 0 alone,
+    # busy_s seconds)
+    busy_by_engine: dict[int, float] | None = None
+
+    def engine_busy(self) -> dict[int, float]:
+        """Engine index -> stepping seconds of this window."""
+        return self.busy_by_engine if self.busy_by_engine is not None else {0: self.busy_s}
 
 
 class FeederBackend(Protocol):
@@ -43,8 +53,9 @@ class FeederBackend(Protocol):
 
     samples_per_group: int
 
-    def submit(self, groups: Sequence[int]) -> None:
-        """Hand the engine ``samples_per_group`` requests for each group index (prompt ``g`` of the stream)."""
+    def submit(self, groups: Sequence[int], engine: int = 0) -> None:
+        """Hand engine ``engine`` ``samples_per_group`` requests for each group index (prompt ``g`` of the
+        stream)."""
         ...
 
     def start_drain(self, window_s: float) -> Any:
@@ -66,10 +77,13 @@ class FeederLoop:
     """Generators -> score -> buffer, with the staleness gate and adaptive concurrency."""
 
     def __init__(self, backend: FeederBackend, state: LoopState, gate: StalenessGate,
-                 controller: ConcurrencyController, clock: Clock, window_s: float = 0.25,
+                 controllers: Sequence[ConcurrencyController], clock: Clock, window_s: float = 0.25,
                  idle_poll_s: float = 0.02, max_groups: int | None = None, write_min_groups: int = 1,
                  write_max_wait_s: float = 1.0, batch_unused_groups: int = 0) -> None:
-        self.backend, self.state, self.gate, self.controller, self.clock = backend, state, gate, controller, clock
+        if not controllers:
+            raise ValueError("the feeder needs one concurrency controller per engine, got none")
+        self.backend, self.state, self.gate, self.clock = backend, state, gate, clock
+        self.controllers = list(controllers)  # engine i's in-flight target is controllers[i].target
         self.window_s, self.idle_poll_s, self.max_groups = window_s, idle_poll_s, max_groups
         # Fewer, larger appends: a Delta commit per window would leave thousands of small files.
         self.write_min_groups, self.write_max_wait_s = write_min_groups, write_max_wait_s
@@ -77,6 +91,8 @@ class FeederLoop:
         self._last_write = clock.now()
         self._next_group = 0
         self._in_flight = 0  # requests
+        self._in_flight_by_engine = [0] * len(self.controllers)
+        self._engine_of: dict[int, int] = {}  # group in flight -> its engine (a group stays on one engine)
         self._partial: dict[int, list[Finished]] = {}
         self._complete: dict[int, list[Finished]] = {}
         self._abandoned: set[int] = set()  # groups given up while in flight (results still arriving are dropped)
@@ -92,21 +108,39 @@ class FeederLoop:
         self._next_group = self._written = next_group
         self._chunk = next_chunk
 
+    @property
+    def target(self) -> int:
+        """The pool's in-flight target: the sum of the engines' targets."""
+        return sum(c.target for c in self.controllers)
+
     def _admit(self) -> None:
-        """Submit as many whole groups as the gate and the concurrency target allow."""
+        """Submit as many whole groups as the gate and the engines' concurrency targets allow.
+
+        Each group goes to the engine with the most room below its own
+        target (ties: the lower index), so every engine is filled to its
+        target, whatever the others' targets.
+        """
         with self.state.cond:
             ahead = self.in_flight_groups + self.state.admissible_unused(self.gate.max_staleness_versions)
             allowed = self.gate.allowed(ahead)
-        room = (self.controller.target - self._in_flight) // self.backend.samples_per_group
-        n = min(allowed, room)
+        spg = self.backend.samples_per_group
+        room = [c.target - n for c, n in zip(self.controllers, self._in_flight_by_engine)]
+        n = min(allowed, sum(max(0, r) // spg for r in room))
         if self.max_groups is not None:
             n = min(n, self.max_groups - self._next_group)
         if n <= 0:
             return
-        groups = list(range(self._next_group, self._next_group + n))
-        self.backend.submit(groups)
+        dealt: dict[int, list[int]] = {}
+        for g in range(self._next_group, self._next_group + n):
+            engine = max(range(len(room)), key=lambda i: (room[i], -i))
+            dealt.setdefault(engine, []).append(g)
+            room[engine] -= spg
+            self._engine_of[g] = engine
+        for engine, groups in dealt.items():
+            self.backend.submit(groups, engine)
+            self._in_flight_by_engine[engine] += len(groups) * spg
         self._next_group += n
-        self._in_flight += n * self.backend.samples_per_group
+        self._in_flight += n * spg
         with self.state.cond:
             self.state.groups_submitted += n
 
@@ -129,7 +163,9 @@ class FeederLoop:
             return
         self.backend.abandon(hopeless)
         for g in hopeless:
-            self._in_flight -= self.backend.samples_per_group - len(self._partial.pop(g))
+            outstanding = self.backend.samples_per_group - len(self._partial.pop(g))
+            self._in_flight -= outstanding
+            self._in_flight_by_engine[self._engine_of.pop(g)] -= outstanding
             self._abandoned.add(g)
         with self.state.cond:
             self.state.groups_abandoned += len(hopeless)
@@ -174,22 +210,33 @@ class FeederLoop:
         if self._handle is not None:
             drained = self.backend.wait_drain(self._handle)
             self._handle = None
-            tokens = finished = 0
+            busy = drained.engine_busy()
+            tokens = dict.fromkeys(busy, 0)
+            finished = dict.fromkeys(busy, 0)
             for item in drained.finished:
-                tokens += item.tokens
+                tokens[item.engine] = tokens.get(item.engine, 0) + item.tokens
                 if item.group in self._abandoned:  # finished before its abort reached the engine
                     continue
-                finished += 1
+                finished[item.engine] = finished.get(item.engine, 0) + 1
                 self._partial.setdefault(item.group, []).append(item)
                 if len(self._partial[item.group]) == self.backend.samples_per_group:
                     self._complete[item.group] = self._partial.pop(item.group)
-            # Admission is in whole groups, so a full engine sits up to one group below the target.
-            saturated = self._in_flight + self.backend.samples_per_group > self.controller.target
-            self._in_flight -= finished
+                    self._engine_of.pop(item.group, None)
+            # Admission is in whole groups, so a full engine sits up to one group below its target.
+            saturated = {i: self._in_flight_by_engine[i] + self.backend.samples_per_group > self.controllers[i].target
+                         for i in busy}
+            for i, done in finished.items():
+                self._in_flight_by_engine[i] -= done
+            self._in_flight -= sum(finished.values())
             with self.state.cond:
                 self.state.engine_busy_s += drained.busy_s
-                self.state.generated_tokens += tokens
-            self.controller.observe(tokens, drained.busy_s, saturated)
+                self.state.generated_tokens += sum(tokens.values())
+                for i, seconds in busy.items():
+                    self.state.engine_seconds[i] = self.state.engine_seconds.get(i, 0.0) + seconds
+                for i, count in tokens.items():
+                    self.state.engine_tokens[i] = self.state.engine_tokens.get(i, 0) + count
+            for i, seconds in busy.items():
+                self.controllers[i].observe(tokens.get(i, 0), seconds, saturated[i])
             self._abandon_expired()
         self._admit()
         if self._in_flight > 0:

@@ -17,8 +17,10 @@ class LoopState:
     groups_expired: int = 0  # written groups that aged out of the window unused (wasted generation)
     groups_abandoned: int = 0  # groups aborted in flight: a finished sample was already out of the window
     unused: dict[int, int] = field(default_factory=dict)  # written, not trained on: group -> oldest version
-    engine_busy_s: float = 0.0  # engine time spent stepping with requests in flight
+    engine_busy_s: float = 0.0  # engine time spent stepping with requests in flight (the pool's mean)
     generated_tokens: int = 0
+    engine_seconds: dict[int, float] = field(default_factory=dict)  # engine index -> its own stepping seconds
+    engine_tokens: dict[int, int] = field(default_factory=dict)  # engine index -> tokens it generated
     write_seconds: float = 0.0  # the feeder's appends (scoring and committing finished groups), in total
     writes: int = 0
     stop: bool = False

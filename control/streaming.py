@@ -72,11 +72,11 @@ class StreamStart:
     unused: dict[int, int] = field(default_factory=dict)  # written groups never trained on -> oldest version
 
 
-def concurrency_controller(cfg: ReflowConfig, engines: int) -> ConcurrencyController:
-    """The in-flight request target of a pool of ``engines`` (each engine's share scales with it)."""
+def concurrency_controller(cfg: ReflowConfig) -> ConcurrencyController:
+    """The in-flight request target of one engine (``concurrency``; its maximum ``rollout.max_concurrent_sequences``)."""
     c = cfg.concurrency
-    initial = c.initial_sequences * engines
-    maximum = cfg.rollout.max_concurrent_sequences * engines if c.adaptive else initial
+    initial = c.initial_sequences
+    maximum = cfg.rollout.max_concurrent_sequences if c.adaptive else initial
     minimum = c.min_sequences if c.adaptive else initial
     return ConcurrencyController(initial, minimum, maximum, c.increase, c.decrease, window_s=c.window_s)
 
@@ -84,7 +84,7 @@ def concurrency_controller(cfg: ReflowConfig, engines: int) -> ConcurrencyContro
 class StreamingLoops:
     """The feeder and the selector of one ``async`` or ``reflow`` run, sized from its config.
 
-    ``state`` and ``controller`` exist from the start, so the backends can be
+    ``state`` and ``controllers`` (one per engine) exist from the start, so the backends can be
     built around them; ``run`` then runs the feeder in a thread (carrying the
     caller's ``contextvars``, so a framework's run context reaches its calls)
     and the selector in the calling thread, until ``steps`` are trained or
@@ -98,7 +98,7 @@ class StreamingLoops:
         # one update per step: a restored trainer's version is the number of steps done
         self.state = LoopState(trainer_version=first_step, groups_submitted=start.next_group,
                                groups_written=start.written_groups, unused=dict(start.unused))
-        self.controller = concurrency_controller(cfg, engines)
+        self.controllers = [concurrency_controller(cfg) for _ in range(engines)]
         self.selector: SelectorLoop | None = None
 
     def last_step(self) -> int:
@@ -124,7 +124,7 @@ class StreamingLoops:
         """
         b, groups = self.cfg.buffer, self.cfg.rollout.prompts_per_step
         loop = FeederLoop(backend, self.state, StalenessGate(b.max_staleness_versions, groups, groups),
-                          self.controller, self.clock, window_s=b.drain_window_s,
+                          self.controllers, self.clock, window_s=b.drain_window_s,
                           write_min_groups=max(1, groups // 4),
                           batch_unused_groups=self.cfg.fresh_groups_per_step())
         loop.resume_at(self.start.next_group, self.start.next_chunk)

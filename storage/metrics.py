@@ -139,6 +139,10 @@ class StreamStats:
     previous_log_seconds: float = 0.0  # logging the step before (known only after it)
     write_seconds: float = 0.0  # the feeder's appends since the step before (scoring and Delta commits)
     writes: int = 0  # appends since the step before
+    # several engines (main, then elastic): each one's in-flight target and tokens per second of its own
+    # stepping since the step before (logged as <name>_<engine>; empty with one engine)
+    concurrency_target_by_engine: tuple[int, ...] = field(default=(), metadata=group("rollout"))
+    engine_tokens_per_s_by_engine: tuple[float, ...] = field(default=(), metadata=group("perf"))
 
 
 @dataclass(frozen=True)

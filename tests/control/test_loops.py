@@ -49,7 +49,7 @@ class FakeEngine:
         self.written: list[Trajectory] = []
         self.abandoned: list[int] = []
 
-    def submit(self, groups) -> None:
+    def submit(self, groups, engine: int = 0) -> None:
         for g in groups:
             for k in range(self.samples_per_group):
                 self.in_flight[f"g{g}/p{g}/{k}"] = []
@@ -191,7 +191,7 @@ def test_random_schedules_keep_staleness_replay_and_groups(tmp_path: Path, seed:
     engine = FakeFeeder(rng, samples, store)
     controller = ConcurrencyController(initial=16, minimum=4, maximum=32, increase=4, window_s=0.3)
     gate = StalenessGate(stale, fresh_per_step, groups)
-    feeder = FeederLoop(engine, state, gate, controller, VirtualClock())
+    feeder = FeederLoop(engine, state, gate, [controller], VirtualClock())
     trainer = FakeSelector(store, engine, policy, groups, samples)
     selector = SelectorLoop(trainer, state, groups, VirtualClock(), min_unused_groups=fresh_per_step,
                             select_ahead=ahead)
@@ -347,7 +347,7 @@ def test_feeder_abandons_groups_that_aged_out_in_flight() -> None:
 
     state = LoopState()
     engine = Scripted()
-    feeder = FeederLoop(engine, state, StalenessGate(1, 2, 2), ConcurrencyController(4, 2, 4, 1), VirtualClock(),
+    feeder = FeederLoop(engine, state, StalenessGate(1, 2, 2), [ConcurrencyController(4, 2, 4, 1)], VirtualClock(),
                         write_min_groups=1)
     feeder.run_once()  # admits groups 0 and 1 (the gate's cap: 2 groups ahead)
     assert feeder.in_flight_groups == 2 and len(engine.in_flight) == 4
@@ -374,7 +374,7 @@ def test_feeder_failure_stops_the_selector(tmp_path: Path) -> None:
 
     state = LoopState()
     engine = Broken(random.Random(0), 2)
-    feeder = FeederLoop(engine, state, StalenessGate(1, 1, 1), ConcurrencyController(4, 2, 4, 1), VirtualClock())
+    feeder = FeederLoop(engine, state, StalenessGate(1, 1, 1), [ConcurrencyController(4, 2, 4, 1)], VirtualClock())
     feeder.run()  # returns once the error stopped the loops
     assert state.stop and isinstance(state.error, OSError)
     selector = SelectorLoop(FakeSelector(DeltaTrajectoryStore(str(tmp_path)), engine,
@@ -396,7 +396,7 @@ def test_feeder_batches_appends_by_groups_or_time(tmp_path: Path) -> None:
     engine = Recorder()
     engine.times = []
     state = LoopState()
-    feeder = FeederLoop(engine, state, StalenessGate(4, 4, 4), ConcurrencyController(8, 2, 8, 1), clock,
+    feeder = FeederLoop(engine, state, StalenessGate(4, 4, 4), [ConcurrencyController(8, 2, 8, 1)], clock,
                         write_min_groups=3, write_max_wait_s=1.0)
     for _ in range(40):
         feeder.run_once()
@@ -433,7 +433,7 @@ def test_feeder_writes_at_once_the_groups_that_complete_a_batch() -> None:
     clock = VirtualClock()
     engine, state = Recorder(), LoopState()
     state.unused.update({100: 0, 101: 0})  # two unused groups written before; a batch needs three
-    feeder = FeederLoop(engine, state, StalenessGate(4, 4, 4), ConcurrencyController(8, 2, 8, 1), clock,
+    feeder = FeederLoop(engine, state, StalenessGate(4, 4, 4), [ConcurrencyController(8, 2, 8, 1)], clock,
                         write_min_groups=3, write_max_wait_s=10.0, batch_unused_groups=3)
     feeder.run_once()  # submits
     feeder.run_once()  # one group complete: with the two unused it makes a batch, so it is written alone
@@ -463,9 +463,98 @@ def test_controller_sees_an_engine_kept_full_in_whole_groups(tmp_path: Path) -> 
 
     state = LoopState()
     controller = ConcurrencyController(initial=64, minimum=16, maximum=256, increase=16, window_s=1.0)
-    feeder = FeederLoop(Steady(random.Random(0), 8), state, StalenessGate(1000, 1000, 1000), controller,
+    feeder = FeederLoop(Steady(random.Random(0), 8), state, StalenessGate(1000, 1000, 1000), [controller],
                         VirtualClock())
     for _ in range(12):
         feeder.run_once()
     assert controller.decisions, "windows of a full engine must count"
     assert controller.target > 64
+
+
+class TwoEngines:
+    """Two engines: engine 0 finishes half of what it holds per window (more in flight, more tokens per second);
+    engine 1 finishes two requests per window, and one once it holds more than 12 (memory pressure: preemption)."""
+
+    samples_per_group = 4
+
+    def __init__(self) -> None:
+        self.held: dict[int, list[str]] = {0: [], 1: []}
+        self.dealt: dict[int, list[int]] = {0: [], 1: []}
+        self.abandoned: list[int] = []
+
+    def submit(self, groups, engine: int = 0) -> None:
+        self.dealt[engine] += groups
+        self.held[engine] += [f"g{g}/p{g}/{k}" for g in groups for k in range(self.samples_per_group)]
+
+    def start_drain(self, window_s: float):
+        return window_s
+
+    def wait_drain(self, handle) -> Drained:
+        finished = []
+        for engine, count in ((0, len(self.held[0]) // 2), (1, 2 if len(self.held[1]) <= 12 else 1)):
+            done, self.held[engine] = self.held[engine][:count], self.held[engine][count:]
+            finished += [Finished(int(rid.split("/")[0][1:]), GenResult(rid, [5] * 10, [-0.1] * 10, "stop", [0] * 10, 0),
+                                  10, engine) for rid in done]
+        return Drained(finished, busy_s=1.0, in_flight=len(self.held[0]) + len(self.held[1]),
+                       busy_by_engine={0: 1.0, 1: 1.0})
+
+    def write(self, chunk, groups) -> None:
+        pass
+
+    def abandon(self, groups) -> None:
+        self.abandoned += groups
+        for engine in self.held:
+            self.held[engine] = [r for r in self.held[engine] if int(r.split("/")[0][1:]) not in groups]
+
+
+def test_each_engine_has_its_own_target_and_is_filled_to_it() -> None:
+    engines, state = TwoEngines(), LoopState()
+    controllers = [ConcurrencyController(initial=8, minimum=4, maximum=64, increase=4, window_s=1.0) for _ in range(2)]
+    feeder = FeederLoop(engines, state, StalenessGate(1000, 1000, 1000), controllers, VirtualClock())
+    for _ in range(30):
+        dealt = {engine: len(groups) for engine, groups in engines.dealt.items()}
+        feeder.run_once()
+        for engine in (0, 1):  # the feeder's count is the engine's; new groups never take it past its own target
+            assert feeder._in_flight_by_engine[engine] == len(engines.held[engine])
+            if len(engines.dealt[engine]) > dealt[engine]:
+                assert len(engines.held[engine]) <= controllers[engine].target
+    # engine 0's tokens per second grew with its target up to the maximum; engine 1's fell and it backed off
+    assert controllers[0].target == 64 and controllers[1].target < 64, (controllers[0].target, controllers[1].target)
+    assert feeder.target == controllers[0].target + controllers[1].target
+    assert "increase" in {d[2] for d in controllers[0].decisions}
+    assert "decrease" in {d[2] for d in controllers[1].decisions}
+    # every group went to one engine, whole; each engine's tokens and stepping seconds are counted apart
+    assert not set(engines.dealt[0]) & set(engines.dealt[1])
+    assert state.engine_seconds == {0: 29.0, 1: 29.0}  # the first call only submits and starts a window
+    assert state.engine_tokens[0] > 2 * state.engine_tokens[1]
+    assert state.generated_tokens == state.engine_tokens[0] + state.engine_tokens[1]
+
+
+def test_abandoned_groups_free_their_own_engine() -> None:
+    class OneEach(TwoEngines):  # each window, one sample of every group in flight finishes
+        def wait_drain(self, handle) -> Drained:
+            finished = []
+            for engine, held in self.held.items():
+                firsts = {}
+                for rid in held:
+                    firsts.setdefault(rid.split("/")[0], rid)
+                for rid in firsts.values():
+                    held.remove(rid)
+                    finished.append(Finished(int(rid.split("/")[0][1:]),
+                                             GenResult(rid, [5], [-0.1], "stop", [0], 0), 1, engine))
+            return Drained(finished, busy_s=1.0, in_flight=sum(map(len, self.held.values())),
+                           busy_by_engine={0: 1.0, 1: 1.0})
+
+    engines, state = OneEach(), LoopState()
+    controllers = [ConcurrencyController(12, 4, 12, 4), ConcurrencyController(8, 4, 8, 4)]
+    feeder = FeederLoop(engines, state, StalenessGate(1, 1000, 1000), controllers, VirtualClock())
+    feeder.run_once()  # each group to the most room (12 against 8, then 8 against 8: the lower index...)
+    assert engines.dealt == {0: [0, 1, 3], 1: [2, 4]}
+    feeder.run_once()  # one sample of each group finishes at version 0; nothing new fits
+    assert engines.dealt == {0: [0, 1, 3], 1: [2, 4]} and feeder._in_flight_by_engine == [9, 6]
+    state.set_version(2)  # version 0 is out of the window: every group with a finished sample is hopeless
+    feeder.run_once()
+    assert sorted(engines.abandoned) == [0, 1, 2, 3, 4]
+    # the aborted requests left their own engine's count, and new groups refilled each to its own target
+    assert engines.dealt == {0: [0, 1, 3, 5, 6, 8], 1: [2, 4, 7, 9]}
+    assert feeder._in_flight_by_engine == [len(engines.held[0]), len(engines.held[1])] == [12, 8]
