@@ -317,6 +317,12 @@ def aggregate(results: list[ModeResult]) -> dict[str, dict]:
 
 
 # The speed targets for reflow: sooner than the fastest baseline by 1.3x, than sync by 2x.
+# Bench rows that are a mode plus a rollout scheduling (SortedRL rows run in sync mode).
+ROWS: dict[str, tuple[str, str]] = {
+    "sync": ("sync", "plain"), "one_step_off": ("one_step_off", "plain"), "async": ("async", "plain"),
+    "reflow": ("reflow", "plain"), "sorted_on_policy": ("sync", "sorted_on_policy"),
+    "sorted_partial": ("sync", "sorted_partial"),
+}
 SPEEDUP_TARGETS = {"vs_best_baseline": 1.3, "vs_sync": 2.0}
 BASELINES = ("sync", "one_step_off", "async")
 

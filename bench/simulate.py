@@ -35,21 +35,25 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from reflow.bench import mode_bench
 from reflow.bench.sim_clock import SimScheduler
 from reflow.bench.sim_profile import SimProfile
 from reflow.config.load import load_config
 from reflow.config.schema import ReflowConfig
+from reflow.control.clock import VirtualClock
 from reflow.control.feeder import Drained, Finished
 from reflow.control.selector import StepOutcome
+from reflow.control.sorted_rounds import PooledRoundEngine, RoundGoal, SortedScheduler
 from reflow.control.streaming import StreamingLoops
 from reflow.policies.offpolicy import replay_weight
 from reflow.storage.replay import ReplayPolicy, ReplaySelection, select_batch
+from reflow.storage.schema import GenRequest, GenResult, RoundRun, SampleId, stream_tag
 from reflow.storage.store import TRAJECTORIES, USAGE
 from reflow.storage.window import WINDOW_SCHEMAS, SelectionWindow, run_sql
 
 RUN = "sim"
 STREAMING = ("async", "reflow")
-MODES = ("sync", "one_step_off", "async", "reflow")
+MODES = ("sync", "one_step_off", "async", "reflow", "sorted_on_policy", "sorted_partial")  # bench rows
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,9 @@ class _Engine:
     remaining: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     context: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # version of the first token; -1
-    waiting: list[tuple[int, int, int]] = field(default_factory=list)  # (group, sample, length)
+    # (group, sample, tokens to generate, tokens already generated (a resumed partial), version of its first token
+    # or -1), in admission order
+    waiting: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
     @property
     def requests(self) -> int:
@@ -106,6 +112,7 @@ class EnginePool:
         self.engines = [_Engine(max_sequences) for _ in range(engines)]
         self.engine_of: dict[int, int] = {}  # group -> the engine it was given to
         self.rewards: dict[int, np.ndarray] = {}
+        self.lengths_of: dict[int, np.ndarray] = {}
         self.pushed: list[tuple[float, int]] = []  # (arrival time, version) of weights on their way
         self.training: list[tuple[float, float]] = []  # the trainer's compute intervals (engine slowdown)
         self.streaming = profile.engine.streaming(mode) if mode in STREAMING else 1.0
@@ -119,9 +126,14 @@ class EnginePool:
                      if spread == "least_loaded" else i % len(self.engines))
             engine = self.engines[index]
             self.engine_of[g] = index
+            engine.waiting += [(g, k, int(n), 0, -1) for k, n in enumerate(self.group_lengths(g))]
+
+    def group_lengths(self, g: int) -> np.ndarray:
+        """The response lengths of group ``g``'s samples (drawn with its rewards the first time it is asked)."""
+        if g not in self.lengths_of:
             lengths, self.rewards[g] = self.lengths.group(self.rng, self.samples, self.measured)
-            lengths = np.minimum(lengths, self.max_response_tokens)
-            engine.waiting += [(g, k, int(n)) for k, n in enumerate(lengths)]
+            self.lengths_of[g] = np.minimum(lengths, self.max_response_tokens)
+        return self.lengths_of[g]
 
     def abandon(self, groups: Sequence[int]) -> None:
         drop = set(groups)
@@ -175,11 +187,12 @@ class EnginePool:
         if room <= 0 or not e.waiting:
             return 0
         new, e.waiting = e.waiting[:room], e.waiting[room:]
-        e.ids += [(g, k) for g, k, _ in new]
-        e.remaining = np.concatenate([e.remaining, np.asarray([n for _, _, n in new], np.int64)])
-        e.context = np.concatenate([e.context, np.full(len(new), self.prompt_tokens, np.int64)])
-        e.first = np.concatenate([e.first, np.full(len(new), -1, np.int64)])
-        return len(new) * self.prompt_tokens
+        e.ids += [(g, k) for g, k, *_ in new]
+        e.remaining = np.concatenate([e.remaining, np.asarray([n for _, _, n, _, _ in new], np.int64)])
+        context = [self.prompt_tokens + prefix for _, _, _, prefix, _ in new]
+        e.context = np.concatenate([e.context, np.asarray(context, np.int64)])
+        e.first = np.concatenate([e.first, np.asarray([first for *_, first in new], np.int64)])
+        return int(sum(context))  # a resumed partial prefills its prefix again (its KV cache went with the weights)
 
     def _run(self, e: _Engine, t: float, until: float, prefill: int, out: list[SimSample]) -> tuple[float, float]:
         """Steps until the next response finishes or ``until`` passes; (time after, slot-seconds)."""
@@ -210,6 +223,57 @@ class EnginePool:
             e.ids = [e.ids[i] for i in keep]
             e.remaining, e.context, e.first = e.remaining[keep], e.context[keep], e.first[keep]
         return t, slots
+
+
+class _RoundOnEngine:
+    """``control.sorted_rounds.RoundEngine`` over one modelled engine of the pool: a SortedRL round from ``start``.
+
+    As ``policies.rounds.run_round``: the queue is taken from its front into
+    every free slot, the engine steps until ``goal.met()`` (checked at every
+    finish), and whatever still runs is aborted with its tokens so far. A
+    resumed partial prefills its prompt and prefix again (``kv_on_update =
+    "keep"``'s parking is not modelled). Each sample's final length is drawn
+    once, so a resumed one ends where it would have.
+    """
+
+    def __init__(self, pool: EnginePool, index: int) -> None:
+        self.pool, self.engine = pool, pool.engines[index]
+        self.max_sequences = self.engine.max_sequences
+        self.start = 0.0
+        self.busy = 0.0  # stepping seconds of the last round
+
+    def run_round(self, queue: Sequence[GenRequest], goal: RoundGoal) -> RoundRun:
+        pool, e = self.pool, self.engine
+        for r in queue:
+            sample = SampleId.parse(r.request_id)
+            g, k, prefix = sample.stream_position, sample.sample, len(r.resume_tokens)
+            e.waiting.append((g, k, int(pool.group_lengths(g)[k]) - prefix, prefix,
+                              r.resume_versions[0] if prefix else -1))
+        t, slots, started, finished = self.start, 0.0, 0, []
+        while e.requests and not goal.met():
+            waiting = len(e.waiting)
+            prefill = pool._admit(e)
+            started += waiting - len(e.waiting)
+            out: list[SimSample] = []
+            t, busy = pool._run(e, t, math.inf, prefill, out)
+            slots += busy
+            for sample in out:
+                result = _result(sample.group, sample.sample, sample.length, sample.version, e.version, "stop")
+                goal.observe(result)
+                finished.append(result)
+        aborted = [_result(g, k, int(e.context[i]) - pool.prompt_tokens, int(e.first[i]) if e.first[i] >= 0
+                           else e.version, e.version, "abort") for i, (g, k) in enumerate(e.ids)]
+        e.ids, e.waiting = [], []
+        e.remaining, e.context, e.first = (np.zeros(0, np.int64) for _ in range(3))
+        self.busy = t - self.start
+        return RoundRun(finished=finished, aborted=aborted, started=started, seconds=t - self.start,
+                        busy_slot_seconds=slots, steps=0)
+
+
+def _result(g: int, k: int, length: int, first: int, version: int, reason: str) -> GenResult:
+    """A modelled response as the engine returns it: ``length`` tokens, the first sampled at ``first``."""
+    return GenResult(SampleId(stream_tag(g), f"p{g}", k).request_id, [0] * length, [0.0] * length, reason,
+                     [first] + [version] * (length - 1) if length else [], first)
 
 
 def loss_tokens(sample: SimSample) -> int:
@@ -438,7 +502,9 @@ def _rounds(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Callabl
     the flow's order is the rounds' whole control.
     """
     engines, groups = cfg.resources.engines, cfg.rollout.prompts_per_step
-    run = SimRun(cfg.mode.kind, seed, engines, cfg.resources.trainer_ranks, [])
+    r = cfg.rollout
+    name = cfg.mode.kind if r.scheduling == "plain" else r.scheduling
+    run = SimRun(name, seed, engines, cfg.resources.trainer_ranks, [])
     pool = EnginePool(profile, engines, cfg.rollout.max_concurrent_sequences, cfg.rollout.samples_per_prompt,
                       np.random.default_rng(seed), cfg.rollout.max_response_tokens, cfg.mode.kind, seed)
     overlap = cfg.mode.kind == "one_step_off"
@@ -446,9 +512,31 @@ def _rounds(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Callabl
     sync_s = profile.sync.seconds() + profile.engine.weight_load_s
     total = cfg.planned_steps()
 
+    parts = [_RoundOnEngine(pool, i) for i in range(engines)]
+    sched = SortedScheduler(
+        groups, r.samples_per_prompt, r.oversubscription, r.scheduling.removeprefix("sorted_"),
+        lambda g, k, resume: GenRequest(
+            SampleId(stream_tag(g), f"p{g}", k).request_id, [], r.max_response_tokens,
+            *((resume.response_tokens, resume.logprobs, resume.token_versions) if resume else ())),
+        VirtualClock(), early_stop=r.early_stop, round_tokens=r.round_tokens,
+        max_aborts=r.max_aborts) if r.scheduling != "plain" else None
+
     def rollout(step: int, start: float, version: int) -> _Round:
         for e in pool.engines:
             e.version = version
+        if sched is not None:  # a SortedRL round: the real scheduler over the modelled engines
+            for part in parts:
+                part.start = start
+            result = sched.run_round(parts[0] if engines == 1 else PooledRoundEngine(parts))
+            st = result.stats
+            samples = []
+            for g, items in result.trainable.items():
+                rewards = pool.rewards[g]
+                samples += [SimSample(res.request_id, g, k, min(res.token_versions), len(res.response_tokens),
+                                      float(rewards[k]), bool(rewards.min() != rewards.max()))
+                            for k, res in enumerate(items)]
+            return _Round(start, start + st.seconds, samples, sum(part.busy for part in parts),
+                          st.busy_slot_seconds, st.slots, version, st.generated_tokens)
         pool.submit(range(step * groups, (step + 1) * groups), spread="round_robin")
         slots = sum(min(e.requests, e.max_sequences) for e in pool.engines)
         w = pool.step(start, math.inf)  # every engine runs until its share is done
@@ -484,9 +572,11 @@ def _rounds(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Callabl
         span = max(done.end - done.start, 1e-9)
         run.steps.append(SimStep(
             step=step, elapsed_s=flow, step_seconds=flow - last_record, trainer_seconds=train_s,
-            engine_busy_s=done.busy_s, generated_tokens=sum(s.length for s in done.finished),
+            engine_busy_s=done.busy_s,
+            generated_tokens=done.generated if done.generated is not None else sum(s.length for s in done.finished),
             samples=len(done.finished), new_samples=len(done.finished), trained_tokens=tokens,
-            staleness_mean=float(version - 1 - done.version), replay_share=0.0,
+            staleness_mean=statistics.fmean(version - 1 - s.version for s in done.finished) if done.finished
+            else 0.0, replay_share=0.0,
             bubble_ratio=max(0.0, 1.0 - done.slot_s / max(done.slots * span, 1e-9))))
         last_record = flow
         progress(1)
@@ -502,13 +592,14 @@ class _Round:
     slot_s: float
     slots: int
     version: int
+    generated: int | None = None  # tokens sampled in the round (SortedRL: resumed prefixes left out; None: all)
 
 
 def mode_config(config: str | None, overrides: list[str], mode: str, seed: int, equal_steps: bool) -> ReflowConfig:
-    """The config ``reflow bench`` gives ``mode`` and ``seed`` (``flows.bench.bench_mode``), plain rounds."""
-    from reflow.bench import mode_bench
-
-    rows = [f"mode.kind={json.dumps(mode)}", 'rollout.scheduling="plain"', f"run.seed={seed}"]
+    """The config ``reflow bench`` gives row ``mode`` and ``seed`` (``flows.bench.bench_mode``; a SortedRL row is
+    mode ``sync`` with its ``rollout.scheduling``)."""
+    kind, scheduling = mode_bench.ROWS[mode]
+    rows = [f"mode.kind={json.dumps(kind)}", f"rollout.scheduling={json.dumps(scheduling)}", f"run.seed={seed}"]
     if not equal_steps:
         cfg = load_config(config, [*overrides, *rows])
         rows += mode_bench.equal_data(cfg.run.total_steps, cfg.rollout.prompts_per_step, cfg.fresh_groups_per_step())
@@ -525,9 +616,11 @@ def config_path(path: str | None) -> str | None:
 
 def simulate(cfg: ReflowConfig, profile: SimProfile, seed: int,
              progress: Callable[[int], None] = lambda n: None) -> SimRun:
-    """One mode (``cfg.mode.kind``) in virtual time; ``progress(n)`` after each step."""
+    """One mode (``cfg.mode.kind``, with SortedRL rounds when ``rollout.scheduling`` says so) in virtual time;
+    ``progress(n)`` after each step. The run is named by its bench row (``sorted_partial`` for sync with those
+    rounds)."""
     if cfg.mode.kind not in MODES:
         raise ValueError(f"simulate: mode {cfg.mode.kind!r} is not simulated (choose from {', '.join(MODES)})")
-    if cfg.rollout.scheduling != "plain":
-        raise ValueError("simulate: SortedRL rounds (rollout.scheduling) are not simulated yet")
+    if cfg.rollout.scheduling != "plain" and cfg.mode.kind != "sync":
+        raise ValueError(f"simulate: SortedRL rounds are simulated in mode sync only, not {cfg.mode.kind!r}")
     return (_streaming if cfg.mode.kind in STREAMING else _rounds)(cfg, profile, seed, progress)

@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--profile", metavar="FILE", help="cost models, JSON or TOML (default: configs/profiles/"
                      "cpu.json, calibrated on this machine; configs/profiles/h100-8b.toml for GPUs)")
     sim.add_argument("--modes", default="sync,one_step_off,async,reflow",
-                     help="comma-separated: sync, one_step_off, async, reflow (default: all four)")
+                     help="comma-separated: sync, one_step_off, async, reflow, and the SortedRL rows "
+                          "sorted_on_policy, sorted_partial (default: the four modes)")
     sim.add_argument("--seeds", default="", help="comma-separated seeds (default: 0; with --calibrate: the bench "
                      "runs to fit on, default all)")
     sim.add_argument("--equal-steps", action="store_true", help="run every mode for run.total_steps steps (default: "

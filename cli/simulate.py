@@ -12,7 +12,7 @@ from reflow.config.schema import ReflowConfig
 
 PACKAGE = Path(__file__).resolve().parents[1]
 DEFAULT_PROFILE = PACKAGE / "configs" / "profiles" / "cpu.json"
-SIMULATED = ("sync", "one_step_off", "async", "reflow")
+SIMULATED = ("sync", "one_step_off", "async", "reflow", "sorted_on_policy", "sorted_partial")  # bench.simulate.MODES
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -20,12 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from reflow.bench import decompose, mode_bench
 from reflow.config.load import load_config
 
-# Bench rows that are a mode plus a rollout scheduling (SortedRL rows run in sync mode).
-ROWS: dict[str, tuple[str, str]] = {
-    "sync": ("sync", "plain"), "one_step_off": ("one_step_off", "plain"), "async": ("async", "plain"),
-    "reflow": ("reflow", "plain"), "sorted_on_policy": ("sync", "sorted_on_policy"),
-    "sorted_partial": ("sync", "sorted_partial"),
-}
+ROWS = mode_bench.ROWS
 
 
 @task(name="bench_mode", cache_policy=NO_CACHE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from reflow.bench.sim_report import aggregate, summarise, validate
 from reflow.bench.simulate import EnginePool, mode_config, simulate
 from reflow.cli.main import main
 from reflow.cli.simulate import DEFAULT_PROFILE, PACKAGE
+from reflow.config.load import load_config
 
 
 def profile(lengths: list[list[int]] | None = None, rewards: list[list[float]] | None = None, *,
@@ -185,6 +187,36 @@ def test_more_engines_make_more_samples_when_generation_is_the_bottleneck() -> N
     rates = [summarise(simulate(small("async", **{"resources.engines": str(n)}), prof, 0)).new_samples_per_s
              for n in (1, 4)]
     assert rates[1] > 2.5 * rates[0]
+
+
+def _tail_profile() -> SimProfile:
+    """Groups with a long tail: most responses 4-6 tokens, one in four of some groups 100-120."""
+    return profile([[5, 5, 5, 100], [4, 6, 5, 5], [5, 120, 5, 6]], [[1, 0, 1, 0], [1, 1, 0, 0], [0, 1, 0, 0]],
+                   base=0.01, per_seq=0.0001, token_s=0.0005)
+
+
+def test_sorted_rounds_run_the_real_scheduler_and_cut_the_bubble() -> None:
+    prof = _tail_profile()
+    plain = simulate(small("sync"), prof, 0)
+    on_policy, partial = simulate(small("sorted_on_policy"), prof, 0), simulate(small("sorted_partial"), prof, 0)
+    assert (on_policy.mode, partial.mode) == ("sorted_on_policy", "sorted_partial")  # named by their bench rows
+    bubble = lambda run: statistics.fmean(s.bubble_ratio for s in run.steps)  # noqa: E731
+    assert bubble(plain) > 0.5  # a round waits for its longest response
+    # partial resumes the long ones next round; on_policy restarts them and, after max_aborts rounds, waits for them
+    assert bubble(partial) < bubble(plain) / 2 and bubble(on_policy) < bubble(plain)
+    assert all(s.staleness_mean == 0 for s in on_policy.steps)  # incomplete groups are dropped, never resumed
+    assert any(s.staleness_mean > 0 for s in partial.steps)  # resumed responses keep their older tokens
+    assert all(s.samples == 8 * 4 for s in partial.steps)  # one step's worth of groups per round
+    assert sum(s.generated_tokens for s in partial.steps) < sum(s.generated_tokens for s in on_policy.steps)
+    again = simulate(small("sorted_partial"), prof, 0)
+    assert [s.step_seconds for s in again.steps] == [s.step_seconds for s in partial.steps]
+
+
+def test_sorted_rounds_pool_several_engines() -> None:
+    run = simulate(small("sorted_partial", **{"resources.engines": "2"}), _tail_profile(), 0)
+    assert run.engines == 2 and len(run.steps) == 12 and all(s.samples == 32 for s in run.steps)
+    with pytest.raises(ValueError, match="mode sync only"):
+        simulate(load_config(None, ['mode.kind="async"', 'rollout.scheduling="sorted_partial"']), _tail_profile(), 0)
 
 
 def test_shipped_profiles_load_and_say_where_every_figure_comes_from() -> None:
