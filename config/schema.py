@@ -362,6 +362,12 @@ class ResourcesConfig(_Section):
                                                          "group lays them over the cluster's nodes: pack (as few "
                                                          "nodes as fit) or spread (one per node where possible).")
     engine_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per engine actor.")
+    weight_sync: Literal["object_store", "broadcast"] = Field(
+        "object_store", description="How new weights reach the engines: 'object_store' (the trainer's copy enters "
+        "Ray's object store once and every engine loads that reference) or 'broadcast' (the trainer's rank 0 "
+        "broadcasts each tensor to every engine over a process group of their own, as verl and OpenRLHF do: NCCL "
+        "when the engines and the trainer are on GPUs, else gloo). A group cannot take a new member: with "
+        "'broadcast' an engine restarted by Ray fails the next sync and the run (reflow resume continues it).")
     trainer_gpus: float = Field(0.0, ge=0, le=64, description="GPUs per trainer actor.")
     torch_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads per actor and of the tiny "
                                                             "model's warm start (1 on a busy machine).")

@@ -35,6 +35,7 @@ from reflow.policies.multiturn import MultiTurnEngine, ToolSettings
 from reflow.policies.rounds import SlotMeter, run_round
 from reflow.policies.trainer import Trainer, split_by_tokens
 from reflow.policies.vllm_engine import VLLMEngine
+from reflow.policies.weight_sync import Backend, TensorSpec, WeightGroup, tensor_specs
 from reflow.storage import queries
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.metrics import BatchStats, TrainStep
@@ -139,6 +140,22 @@ class EngineWorker:
     def update_weights(self, state: dict[str, Any], version: int) -> int:
         """Load new weights in place; requests in flight continue with them."""
         self.engine.update_weights(state, version)
+        return version
+
+    def join_weight_group(self, address: str, rank: int, world: int, backend: Backend,
+                          specs: Sequence[TensorSpec]) -> int:
+        """Become rank ``rank`` of the weight broadcast group (``resources.weight_sync = "broadcast"``)."""
+        self._weight_group = WeightGroup(address, rank, world, backend)
+        self._weight_specs = list(specs)
+        return rank
+
+    def receive_weights(self, version: int) -> int:
+        """Take the weights the trainer broadcasts now and load them in place (as ``update_weights``)."""
+        group = getattr(self, "_weight_group", None)
+        if group is None:
+            raise RuntimeError("this engine is not in the weight broadcast group (restarted by Ray? a group cannot "
+                               "take a new member: resume the run)")
+        self.engine.update_weights(group.receive(self._weight_specs), version)
         return version
 
     def version(self) -> int:
@@ -366,6 +383,27 @@ class TrainerWorker:
 
     def export_weights(self) -> dict[str, Any]:
         return self._on_every_rank("export_weights")
+
+    def weight_group_address(self) -> str:
+        """Where this trainer serves the weight broadcast group: its node's address and a free port."""
+        return f"{ray.util.get_node_ip_address()}:{_free_port()}"
+
+    def weight_specs(self) -> list[TensorSpec]:
+        """Names, dtypes and shapes of the weights as ``broadcast_weights`` sends them."""
+        return tensor_specs(self.trainer.model.state_dict())
+
+    def join_weight_group(self, address: str, world: int, backend: Backend) -> int:
+        """Serve and join the weight broadcast group as its rank 0 (the engines are ranks 1 ...)."""
+        self._weight_group = WeightGroup(address, 0, world, backend)
+        return 0
+
+    def broadcast_weights(self, weights: dict[str, Any], version: int) -> tuple[int, float]:
+        """Broadcast ``weights`` (``export_weights``' copy of ``version``, passed by reference) to every engine;
+        (bytes sent to each, seconds). Called in the "sync" concurrency group, so a streaming step's training
+        goes on while the engines take the last version's weights."""
+        started = time.perf_counter()
+        sent = self._weight_group.send(weights)
+        return sent, time.perf_counter() - started
 
     def version(self) -> int:
         return self.trainer.version

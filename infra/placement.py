@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import ray
 
@@ -119,18 +119,35 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
     group = trainer_placement_group(cfg)
     if group is not None:  # a process group cannot take a restarted member: a dead rank fails the run
         restarts = {"max_restarts": 0, "max_task_retries": 0}
-    # "read": ``prefetch`` runs beside ``train`` (every other method runs one at a time, in call order)
-    trainer = ray.remote(concurrency_groups={"read": 1})(TrainerWorker).options(
+    # "read": ``prefetch`` runs beside ``train``; "sync": ``broadcast_weights`` too (every other method runs one at
+    # a time, in call order)
+    trainer = ray.remote(concurrency_groups={"read": 1, "sync": 1})(TrainerWorker).options(
         name=trainer_name, namespace=namespace, num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
         runtime_env=env, scheduling_strategy=in_bundle(group, 0), **restarts).remote(
             model_dir, config_to_json(cfg), store_root, res.torch_threads, run_dir, run_id, group)
     _HANDLES[namespace] = [*engines, trainer]
     ray.get([*(e.version.remote() for e in engines), trainer.version.remote()])
+    if res.weight_sync == "broadcast":
+        join_weight_group(cfg, trainer, engines)
     nodes = dict(zip(engine_names, ray.get([e.__ray_call__.remote(_node_id) for e in engines])))
     for rank, (_, node) in enumerate(ray.get(trainer.ranks.remote())):
         nodes[trainer_name if rank == 0 else f"{trainer_name}-rank-{rank}"] = node
     return Placement(namespace=namespace, engines=engine_names, trainer=trainer_name, nodes=nodes,
                      weight_bytes=ray.get(trainer.weight_bytes.remote()))
+
+
+def join_weight_group(cfg: ReflowConfig, trainer: Any, engines: Sequence[Any]) -> None:
+    """Form the weight broadcast group: the trainer's rank 0 serves it as rank 0, engine ``i`` is rank ``1 + i``.
+
+    NCCL when the engines and the trainer all hold GPUs, else gloo (CPU tensors). Every member joins at once (the
+    group's store waits for all of them).
+    """
+    res = cfg.resources
+    backend = "nccl" if res.engine_gpus > 0 and res.trainer_gpus > 0 and not res.elastic_engines else "gloo"
+    address, specs = ray.get([trainer.weight_group_address.remote(), trainer.weight_specs.remote()])
+    world = 1 + len(engines)
+    ray.get([trainer.join_weight_group.remote(address, world, backend),
+             *(e.join_weight_group.remote(address, 1 + i, world, backend, specs) for i, e in enumerate(engines))])
 
 
 def engine_placement_group(cfg: ReflowConfig) -> Any:

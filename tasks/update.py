@@ -20,7 +20,7 @@ from reflow.infra.run import checkpoint_dir
 from reflow.storage.metrics import TrainStep
 from reflow.storage.replay import ReplaySelection
 from reflow.storage.sampler import BatchSelection, sync_batch
-from reflow.tasks.context import context
+from reflow.tasks.context import TaskContext, context
 
 
 @dataclass(frozen=True)
@@ -127,20 +127,35 @@ def start_update(run_dir: str, step: int, selection: ReplaySelection) -> Pending
 
 @task(name="sync_weights", cache_policy=NO_CACHE)
 def sync_weights(run_dir: str, version: int) -> SyncSummary:
-    """Move the trainer's weights to every engine through Ray's object store."""
+    """Move the trainer's weights to every engine (``resources.weight_sync``) and wait until all hold them."""
     ctx = context(run_dir)
     start = ctx.clock.now()
     weights = actor(ctx.record.trainer, ctx.record.namespace).export_weights.remote()
-    ray.get([actor(name, ctx.record.namespace).update_weights.remote(weights, version)
-             for name in ctx.record.engines])
+    ray.get(_send_weights(ctx, weights, version))
     return SyncSummary(version=version, seconds=ctx.clock.now() - start)
+
+
+def _send_weights(ctx: TaskContext, weights: Any, version: int) -> list[Any]:
+    """Start moving ``weights`` (a reference to the trainer's copy of ``version``) to every engine; the calls.
+
+    ``object_store``: each engine loads the reference. ``broadcast``: the
+    trainer's rank 0 broadcasts the tensors (``policies.weight_sync``) while
+    each engine receives them between two of its calls.
+    """
+    engines = [actor(name, ctx.record.namespace) for name in ctx.record.engines]
+    if ctx.cfg.resources.weight_sync == "broadcast":
+        trainer = actor(ctx.record.trainer, ctx.record.namespace)
+        return [trainer.broadcast_weights.options(concurrency_group="sync").remote(weights, version),
+                *(e.receive_weights.remote(version) for e in engines)]
+    return [e.update_weights.remote(weights, version) for e in engines]
 
 
 def push_weights(run_dir: str, version: int, weights: Any = None) -> None:
     """Send the trainer's weights (or ``weights``, a reference to them) to every engine; return at once.
 
     Streaming modes. The engine loads them between two drain windows; the
-    weights go trainer -> object store -> engine, never through this process.
+    weights go trainer -> object store -> engine (or trainer -> engine over
+    the broadcast group), never through this process.
     A plain call, not a Prefect task: it is one actor call per engine, and a
     task run of its own cost the driver and the Prefect server more CPU than
     the push (docs/concepts.md "The control plane's CPU").
@@ -148,8 +163,7 @@ def push_weights(run_dir: str, version: int, weights: Any = None) -> None:
     ctx = context(run_dir)
     if weights is None:
         weights = actor(ctx.record.trainer, ctx.record.namespace).export_weights.remote()
-    for name in ctx.record.engines:
-        actor(name, ctx.record.namespace).update_weights.remote(weights, version)
+    _send_weights(ctx, weights, version)
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE)

@@ -96,17 +96,20 @@ def test_smoke_run_end_to_end(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_transformers_engine_one_step_off_end_to_end(tmp_path: Path) -> None:
-    """The second backend (for machines without vLLM) drives the same flow, here overlapped one step."""
+    """The second backend (for machines without vLLM) drives the same flow, here overlapped one step, with the
+    weights broadcast over a gloo group (``resources.weight_sync``) instead of the object store."""
     out = tmp_path / "runs"
     proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out),
                  "--set", f'model.cache_dir="{tmp_path / "models"}"', "--set", 'rollout.engine="transformers"',
-                 "--set", "run.total_steps=3", "--set", 'mode.kind="one_step_off"'], cwd=tmp_path)
+                 "--set", "run.total_steps=3", "--set", 'mode.kind="one_step_off"',
+                 "--set", 'resources.weight_sync="broadcast"'], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
     rows = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table()
     cfg = json.loads((run_dir / "config.json").read_text())
     assert rows.num_rows == 3 * cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["samples_per_prompt"]
-    # batch k+1 is generated while batch k trains: rollout steps 0, 1, 2 come from versions 0, 0, 1
+    # batch k+1 is generated while batch k trains: rollout steps 0, 1, 2 come from versions 0, 0, 1 (the engine
+    # took version 1 from the broadcast)
     by_step = dict(zip(rows["rollout_step"].to_pylist(), rows["policy_version"].to_pylist()))
     assert by_step == {0: 0, 1: 0, 2: 1}
     usage = DeltaTable(str(run_dir / "tables/usage")).to_pyarrow_dataset().to_table()
@@ -116,6 +119,23 @@ def test_transformers_engine_one_step_off_end_to_end(tmp_path: Path) -> None:
     proc = _run(["evaluate", run_dir.name, "--runs", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(rf"{re.escape(str(run_dir))}: held-out accuracy [01][.][0-9]{{3}}, reward mean", proc.stdout)
+
+
+@pytest.mark.slow
+def test_reflow_streams_with_broadcast_weights(tmp_path: Path) -> None:
+    """Streaming pushes each version while the trainer goes on (the trainer's "sync" concurrency group): the
+    engines stamp tokens with the versions they received over the broadcast group."""
+    out = tmp_path / "runs"
+    proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out),
+                 "--set", f'model.cache_dir="{tmp_path / "models"}"', "--set", 'rollout.engine="transformers"',
+                 "--set", "run.total_steps=4", "--set", 'mode.kind="reflow"',
+                 "--set", 'resources.weight_sync="broadcast"'], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
+    versions = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table()["policy_version"]
+    assert max(versions.to_pylist()) >= 1  # generated after a broadcast
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
 
 
 @pytest.mark.slow
