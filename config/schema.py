@@ -344,8 +344,9 @@ class ResourcesConfig(_Section):
     trainer_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per trainer actor.")
     engines: int = Field(1, ge=1, le=1024, description="Engine actors generating in data parallel, each "
                          "reserving engine_cpus and engine_gpus: streaming modes deal each group to the engine "
-                         "with the fewest requests in flight, plain rounds split a round's groups across them, sorted rounds give the group "
-                         "at stream position g to engine g mod engines.")
+                         "with the most room below its own concurrency target (one controller per engine), plain "
+                         "rounds split a round's groups across them, sorted rounds give the group at stream "
+                         "position g to engine g mod engines.")
     engine_placement: Literal["spread", "pack"] = Field("spread", description="How the engines' placement group "
                                                         "lays them over the cluster's nodes when engines > 1: "
                                                         "spread (one per node where possible) or pack.")
