@@ -114,3 +114,17 @@ def s3_env(s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[s
     for key, value in s3_server.items():
         monkeypatch.setenv(key, value)
     return s3_server
+
+
+@pytest.fixture
+def local_ray() -> Iterator[None]:
+    """A Ray of the test's own (2 CPUs, one torch thread per worker), shut down after it."""
+    import tempfile
+
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="rf-", dir="/tmp")  # Ray's socket paths must be short
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()

@@ -94,17 +94,23 @@ def test_smoke_run_end_to_end(tmp_path: Path) -> None:
     assert (run_dir / "checkpoints/step-000002/trainer.pt").is_file()
 
 
+def _broadcast_run(tmp_path: Path, out: Path, mode: str, steps: int) -> Path:
+    """A smoke run on the transformers engine with the weights broadcast over a gloo group; its run dir."""
+    proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out),
+                 "--set", f'model.cache_dir="{tmp_path / "models"}"', "--set", 'rollout.engine="transformers"',
+                 "--set", f"run.total_steps={steps}", "--set", f'mode.kind="{mode}"',
+                 "--set", 'resources.weight_sync="broadcast"'], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
+    return run_dir
+
+
 @pytest.mark.slow
 def test_transformers_engine_one_step_off_end_to_end(tmp_path: Path) -> None:
     """The second backend (for machines without vLLM) drives the same flow, here overlapped one step, with the
     weights broadcast over a gloo group (``resources.weight_sync``) instead of the object store."""
     out = tmp_path / "runs"
-    proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out),
-                 "--set", f'model.cache_dir="{tmp_path / "models"}"', "--set", 'rollout.engine="transformers"',
-                 "--set", "run.total_steps=3", "--set", 'mode.kind="one_step_off"',
-                 "--set", 'resources.weight_sync="broadcast"'], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
+    run_dir = _broadcast_run(tmp_path, out, "one_step_off", 3)
     rows = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table()
     cfg = json.loads((run_dir / "config.json").read_text())
     assert rows.num_rows == 3 * cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["samples_per_prompt"]
@@ -125,13 +131,7 @@ def test_transformers_engine_one_step_off_end_to_end(tmp_path: Path) -> None:
 def test_reflow_streams_with_broadcast_weights(tmp_path: Path) -> None:
     """Streaming pushes each version while the trainer goes on (the trainer's "sync" concurrency group): the
     engines stamp tokens with the versions they received over the broadcast group."""
-    out = tmp_path / "runs"
-    proc = _run(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out),
-                 "--set", f'model.cache_dir="{tmp_path / "models"}"', "--set", 'rollout.engine="transformers"',
-                 "--set", "run.total_steps=4", "--set", 'mode.kind="reflow"',
-                 "--set", 'resources.weight_sync="broadcast"'], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
+    run_dir = _broadcast_run(tmp_path, tmp_path / "runs", "reflow", 4)
     versions = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table()["policy_version"]
     assert max(versions.to_pylist()) >= 1  # generated after a broadcast
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]

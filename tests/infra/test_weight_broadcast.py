@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,17 +9,6 @@ import torch
 
 from reflow.config.load import load_config
 from reflow.policies.engines import EngineSettings
-
-
-@pytest.fixture
-def local_ray() -> Iterator[None]:
-    import ray
-
-    tmp = tempfile.mkdtemp(prefix="rf-", dir="/tmp")  # Ray's socket paths must be short
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
 
 
 def _workers(model_dir: Path, store: Path, gpus: float = 0.0) -> tuple:

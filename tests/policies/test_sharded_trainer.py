@@ -6,8 +6,6 @@ many ranks as wrote them.
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,15 +54,6 @@ def _config(ranks: int) -> str:
         "resources": {"trainer_ranks": ranks, "trainer_cpus": 0.5}}).model_dump_json()
 
 
-@pytest.fixture
-def local_ray() -> Iterator[None]:
-    import ray
-
-    tmp = tempfile.mkdtemp(prefix="rf-", dir="/tmp")  # Ray's socket paths must be short
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.slow
