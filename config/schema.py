@@ -355,6 +355,15 @@ class ResourcesConfig(_Section):
                                  "cycles the trainer and the control plane leave, so they generate while the "
                                  "trainer waits and mostly yield while it trains (ReFlow's elastic role, on one "
                                  "machine). Plain rounds, async and reflow use them; sorted rounds do not.")
+    flex_workers: int = Field(0, ge=0, le=64, description="The elastic pool: actors that hold the model once as "
+                              "an engine and once as a trainer module, and either generate or compute gradients "
+                              "for the trainer's step (the optimiser state stays with the trainer; each reserves "
+                              "engine_cpus and engine_gpus). async and reflow move them with the stage-speed "
+                              "scheduler ([pool]); sync has them generate in every rollout and train in every "
+                              "update (verl's colocated hybrid engine); one_step_off has them train only (its "
+                              "rollout overlaps the update). Needs trainer_ranks = 1.")
+    flex_cpus: float = Field(1.0, ge=0, le=1024, description="CPUs reserved per flex worker (0: it shares the "
+                             "cores the engines and the trainer reserve, as on a two-core machine).")
     trainer_ranks: int = Field(1, ge=1, le=1024, description="Trainer actors forming one torch.distributed "
                                "group (gloo on CPU, NCCL on GPU) with FSDP2: each trains on its token-balanced "
                                "share of the batch; each reserves trainer_cpus and trainer_gpus. More than one: a "
@@ -375,6 +384,37 @@ class ResourcesConfig(_Section):
     max_actor_restarts: int = Field(3, ge=0, le=1000, description="Times Ray restarts an engine or trainer "
                                     "actor whose process died (its calls in flight are re-issued); 0: a dead "
                                     "actor fails the run.")
+
+    @property
+    def engine_actors(self) -> int:
+        """Every actor that generates: the main engines, the elastic ones, the flex workers (in that order)."""
+        return self.engines + self.elastic_engines + self.flex_workers
+
+    @property
+    def flex_indices(self) -> range:
+        """Positions of the flex workers among the engine actors (``engine_actors``)."""
+        return range(self.engines + self.elastic_engines, self.engine_actors)
+
+
+class PoolConfig(_Section):
+    """The stage-speed scheduler of the flex workers (``control.roles``), streaming modes."""
+
+    low_batches: float = Field(0.5, ge=0, le=1000, description="Below this many batches of admissible unused "
+                               "groups, and falling, a training flex worker moves to generation.")
+    high_batches: float = Field(1.5, gt=0, le=1000, description="Above this many, and rising, a generating flex "
+                                "worker moves to training; must sit below max(buffer.max_staleness_versions, 1) "
+                                "batches, the most the staleness gate lets wait.")
+    dwell_s: float = Field(30.0, gt=0, le=86_400, description="A worker keeps its role at least this long, and the "
+                           "pool switches at most once per dwell.")
+    window_s: float = Field(5.0, gt=0, le=3600, description="Seconds of measured rates per decision.")
+    switch_estimate_s: float = Field(1.0, ge=0, le=3600, description="Cost of a switch assumed until one is "
+                                     "measured (a switch must win back more than it costs over a dwell).")
+    initial_role: Literal["generate", "train"] = Field("generate", description="Every flex worker's role at the "
+                                                       "start.")
+    policy: Literal["stage_speed", "alternate"] = Field("stage_speed", description="stage_speed: the band rule "
+                                                        "(control.roles); alternate: one worker takes the other "
+                                                        "role every dwell_s, whatever the rates (to measure what "
+                                                        "a switch costs; not a way to run).")
 
 
 class TrackingConfig(_Section):
@@ -419,6 +459,7 @@ class ReflowConfig(_Section):
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -468,6 +509,21 @@ class ReflowConfig(_Section):
         if self.resources.elastic_engines and r.scheduling != "plain" and self.mode.kind == "sync":
             raise ValueError(f"resources.elastic_engines > 0 needs rollout.scheduling='plain' in mode 'sync' (a "
                              f"sorted round runs on the main engines only; got {r.scheduling!r})")
+        res, pool = self.resources, self.pool
+        if res.flex_workers and res.trainer_ranks > 1:
+            raise ValueError(f"resources.flex_workers > 0 needs resources.trainer_ranks = 1 (a flex worker adds its "
+                             f"gradients to one trainer's; got trainer_ranks={res.trainer_ranks})")
+        if res.flex_workers and r.scheduling != "plain" and self.mode.kind == "sync":
+            raise ValueError(f"resources.flex_workers > 0 needs rollout.scheduling='plain' in mode 'sync' (a sorted "
+                             f"round runs on the main engines only; got {r.scheduling!r})")
+        if not pool.low_batches < pool.high_batches:
+            raise ValueError(f"pool.low_batches ({pool.low_batches}) must be below pool.high_batches "
+                             f"({pool.high_batches})")
+        gate = max(self.buffer.max_staleness_versions, 1)
+        if res.flex_workers and self.mode.kind in ("async", "reflow") and pool.high_batches >= gate:
+            raise ValueError(f"pool.high_batches ({pool.high_batches}) must be below max(buffer."
+                             f"max_staleness_versions, 1) = {gate} batches: the staleness gate never lets more "
+                             f"unused groups wait, so no flex worker would ever move to training")
         if self.env.kind == "tool_calc" and self.tools.max_calls == 0:
             raise ValueError("env.kind='tool_calc' needs tool calls: set tools.max_calls >= 1")
         if self.env.kind == "tool_calc" and self.env.max_operand < 100:

@@ -99,6 +99,7 @@ class FeederLoop:
         self._handle: Any = None
         self._chunk = 0
         self._written = 0  # groups written
+        self._level_at: float | None = None  # when the level of unused groups was last integrated
 
     def resume_at(self, next_group: int, next_chunk: int) -> None:
         """Continue a resumed run's stream: groups from ``next_group``, writes as chunks from ``next_chunk``.
@@ -123,14 +124,16 @@ class FeederLoop:
         with self.state.cond:
             ahead = self.in_flight_groups + self.state.admissible_unused(self.gate.max_staleness_versions)
             allowed = self.gate.allowed(ahead)
+            training = {i for i, role in self.state.roles.items() if role == "train"}
         spg = self.backend.samples_per_group
-        room = [c.target - n for c, n in zip(self.controllers, self._in_flight_by_engine)]
+        room = [0 if i in training else c.target - n
+                for i, (c, n) in enumerate(zip(self.controllers, self._in_flight_by_engine))]
         n = min(allowed, sum(max(0, r) // spg for r in room))
         if self.max_groups is not None:
             n = min(n, self.max_groups - self._next_group)
         if n <= 0:
             return
-        dealt: dict[int, list[int]] = {}
+        dealt: dict[int, list[int]] = {}  # (a flex worker set to train has no room: it gets nothing)
         for g in range(self._next_group, self._next_group + n):
             engine = max(range(len(room)), key=lambda i: (room[i], -i))
             dealt.setdefault(engine, []).append(g)
@@ -143,6 +146,40 @@ class FeederLoop:
         self._in_flight += n * spg
         with self.state.cond:
             self.state.groups_submitted += n
+
+    def _integrate_level(self) -> None:
+        """Add the unused groups waiting since the last window, times its length, to ``unused_group_seconds``
+        (the elastic pool's scheduler reads the window's mean level from it, not a sample right after a step
+        consumed its batch)."""
+        now = self.clock.now()
+        with self.state.cond:
+            if self._level_at is not None:
+                self.state.unused_group_seconds += len(self.state.unused) * (now - self._level_at)
+        self._level_at = now
+
+    def _settle_switches(self, busy: dict[int, float]) -> None:
+        """Finish the flex workers' switches the scheduler decided (``control.roles``), and time them.
+
+        To train: done once the worker has nothing in flight (its requests
+        finish where they run, each token keeping its version); it is then
+        ``ready`` for the next step. To generate: done when its first window
+        returns; the switch took the wait before that window (a share of a
+        step it was still computing), not the window itself.
+        """
+        with self.state.cond:
+            if not self.state.switching:
+                return
+            now = self.clock.now()
+            for i, decided in list(self.state.switching.items()):
+                if self.state.roles.get(i) == "train" and self._in_flight_by_engine[i] == 0:
+                    self.state.ready.add(i)
+                elif self.state.roles.get(i) == "generate" and i in busy:
+                    now -= busy[i]
+                else:
+                    continue
+                self.state.switch_seconds.append((i, self.state.roles[i], max(0.0, now - decided)))
+                del self.state.switching[i]
+                now = self.clock.now()
 
     @property
     def in_flight_groups(self) -> int:
@@ -207,6 +244,7 @@ class FeederLoop:
         Returns False when there is nothing to do (nothing in flight and the
         gate closed); the caller then waits.
         """
+        self._integrate_level()
         if self._handle is not None:
             drained = self.backend.wait_drain(self._handle)
             self._handle = None
@@ -238,6 +276,9 @@ class FeederLoop:
             for i, seconds in busy.items():
                 self.controllers[i].observe(tokens.get(i, 0), seconds, saturated[i])
             self._abandon_expired()
+            self._settle_switches(busy)
+        else:
+            self._settle_switches({})
         self._admit()
         if self._in_flight > 0:
             self._handle = self.backend.start_drain(self.window_s)

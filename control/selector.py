@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from reflow.control.clock import Clock
+from reflow.control.roles import RolePool
 from reflow.control.state import LoopState
 
 
@@ -106,12 +107,17 @@ class SelectorLoop:
     early: the step whose batch brings the unused groups trained on to it
     (counting ``new_groups`` trained before this attempt) is the last
     (``final_step``), and no step starts after it.
+
+    ``pool`` (``control.roles.RolePool``): the flex workers' scheduler ticks
+    as each step finishes; the backend lends the step the workers ``ready``
+    to train when it starts it.
     """
 
     def __init__(self, backend: SelectorBackend, state: LoopState, groups_per_step: int, clock: Clock,
                  min_unused_groups: int, poll_s: float = 0.5, select_ahead: bool = False,
                  lead_s: float = 0.05, busy_poll_s: float = 0.05, recent_steps: int = 4, max_new_groups: int = 0,
-                 new_groups: int = 0) -> None:
+                 new_groups: int = 0, pool: RolePool | None = None) -> None:
+        self.pool = pool  # the elastic pool's scheduler: one decision per window, taken as steps finish
         self.backend, self.state, self.groups_per_step, self.clock = backend, state, groups_per_step, clock
         self.min_unused_groups = min_unused_groups  # a batch needs at least this many unused groups
         self.poll_s, self.select_ahead, self.lead_s, self.busy_poll_s = poll_s, select_ahead, lead_s, busy_poll_s
@@ -209,6 +215,8 @@ class SelectorLoop:
         self.train_s.append(self.clock.now() - self.training.started)
         self.training = None
         self.state.set_version(outcome.version)
+        if self.pool is not None:
+            self.pool.tick(self.waited_s)
         early = then is not None and not self.backend.uses_trainer(step)
         if early:
             self._start(*then)

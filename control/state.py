@@ -23,6 +23,14 @@ class LoopState:
     engine_tokens: dict[int, int] = field(default_factory=dict)  # engine index -> tokens it generated
     write_seconds: float = 0.0  # the feeder's appends (scoring and committing finished groups), in total
     writes: int = 0
+    # The elastic pool (``control.roles``): flex worker engine index -> its role; those set to train with nothing
+    # left in flight (a step may use them); switches decided and not yet done -> when decided; each done
+    # switch's measured seconds
+    roles: dict[int, str] = field(default_factory=dict)
+    ready: set[int] = field(default_factory=set)
+    switching: dict[int, float] = field(default_factory=dict)
+    switch_seconds: list[tuple[int, str, float]] = field(default_factory=list)  # (engine, new role, seconds)
+    unused_group_seconds: float = 0.0  # the level of unused groups integrated over time (the feeder samples it)
     stop: bool = False
     error: BaseException | None = None  # why a loop stopped the run
     cond: threading.Condition = field(default_factory=threading.Condition, repr=False)

@@ -58,6 +58,7 @@ from reflow.control.clock import Clock
 from reflow.control.concurrency import ConcurrencyController
 from reflow.control.feeder import FeederBackend, FeederLoop
 from reflow.control.gate import StalenessGate
+from reflow.control.roles import RolePool, RoleScheduler
 from reflow.control.selector import SelectorBackend, SelectorLoop
 from reflow.control.state import LoopState
 
@@ -81,6 +82,14 @@ def concurrency_controller(cfg: ReflowConfig) -> ConcurrencyController:
     return ConcurrencyController(initial, minimum, maximum, c.increase, c.decrease, window_s=c.window_s)
 
 
+def role_pool(cfg: ReflowConfig, state: LoopState, clock: Clock) -> RolePool:
+    """The flex workers' scheduler (``[pool]``) over ``state``; every worker starts in ``pool.initial_role``."""
+    p, flex = cfg.pool, list(cfg.resources.flex_indices)
+    scheduler = RoleScheduler([p.initial_role] * len(flex), clock, low=p.low_batches, high=p.high_batches,
+                              dwell_s=p.dwell_s, policy=p.policy)
+    return RolePool(scheduler, state, flex, cfg.rollout.prompts_per_step, p.window_s, p.switch_estimate_s)
+
+
 class StreamingLoops:
     """The feeder and the selector of one ``async`` or ``reflow`` run, sized from its config.
 
@@ -100,6 +109,7 @@ class StreamingLoops:
                                groups_written=start.written_groups, unused=dict(start.unused))
         self.controllers = [concurrency_controller(cfg) for _ in range(engines)]
         self.selector: SelectorLoop | None = None
+        self.pool = role_pool(cfg, self.state, clock) if cfg.resources.flex_workers else None
 
     def last_step(self) -> int:
         """The run's last step: ``run.total_steps - 1``, or the one that spent ``run.max_new_groups``."""
@@ -136,7 +146,8 @@ class StreamingLoops:
         return SelectorLoop(backend, self.state, self.cfg.rollout.prompts_per_step, self.clock,
                             min_unused_groups=self.cfg.fresh_groups_per_step(),
                             select_ahead=self.replay and b.select_ahead and b.max_staleness_versions > 0,
-                            max_new_groups=self.cfg.run.max_new_groups, new_groups=self.new_groups)
+                            max_new_groups=self.cfg.run.max_new_groups, new_groups=self.new_groups,
+                            pool=self.pool)
 
     def run(self, feeder_backend: FeederBackend, selector_backend: SelectorBackend) -> None:
         """Train steps ``first_step .. run.total_steps - 1`` (or until the budget is spent); raise what stopped

@@ -106,14 +106,14 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline: EvalStats | None, firs
 
     A resumed run (``first`` > 0, or anything already written) continues the stream after what is in Delta.
     """
-    loops = StreamingLoops(cfg, SystemClock(), engines=cfg.resources.engines + cfg.resources.elastic_engines,
+    loops = StreamingLoops(cfg, SystemClock(), engines=cfg.resources.engine_actors,
                            first_step=first,
                            start=stream_position(run_dir),
                            new_groups=trained_groups(run_dir, first) if cfg.run.max_new_groups else 0)
     recorder = StepRecorder(cfg, run_dir, baseline, last_step=loops.last_step)
     feeder = RayFeeder(run_dir, keep_going=loops.running)
     selector = RaySelector(run_dir, loops.state, loops.controllers, recorder.on_step, loops.replay,
-                           feeder.tokens_by_engine, checkpoints=recorder.checkpoints)
+                           feeder.tokens_by_engine, checkpoints=recorder.checkpoints, pool=loops.pool)
     try:
         loops.run(feeder, selector)
         recorder.drain()

@@ -33,7 +33,7 @@ from reflow.policies.hf_engine import TransformersEngine
 from reflow.policies.models import load_tokenizer
 from reflow.policies.multiturn import MultiTurnEngine, ToolSettings
 from reflow.policies.rounds import SlotMeter, run_round
-from reflow.policies.trainer import Trainer, split_by_tokens
+from reflow.policies.trainer import GradientShare, Trainer, TrainSample, split_by_tokens
 from reflow.policies.vllm_engine import VLLMEngine
 from reflow.policies.weight_sync import Backend, TensorSpec, WeightGroup, tensor_specs
 from reflow.storage import queries
@@ -169,6 +169,74 @@ class EngineWorker:
         return os.getpid()
 
 
+class FlexWorker(EngineWorker):
+    """A worker of the elastic pool: an engine that can also compute a share of the trainer's step.
+
+    It holds the model twice in one process: the engine's copy (generating)
+    and a trainer module without optimiser state of its own (``Trainer``:
+    its AdamW never steps). Both are built once, at start, so a switch of role
+    loads nothing from disk: to train it only stops receiving new requests
+    (those in flight finish, keeping their per-token versions) and, at its
+    first share, loads the trainer's current weights from the object store;
+    to generate it takes requests again (its engine received every weight push
+    meanwhile). Which role it plays is the scheduler's (``control.roles``), not
+    the actor's: it answers whatever call comes, one at a time.
+    """
+
+    def __init__(self, kind: str, settings: Any, model_dir: str, config_json: str, version: int = 0,
+                 trainer: str | None = None, tools: Any = None, tool_fn: Any = None) -> None:
+        super().__init__(kind, settings, version, trainer, tools, tool_fn)
+        cfg = ReflowConfig.model_validate_json(config_json)
+        self.learner = Trainer(model_dir, cfg.train, cfg.run.seed, device=train_device(cfg), dtype=cfg.model.dtype)
+        if cfg.train.warm_up:
+            self.learner.warm_up(warm_up_tokens(cfg))
+        self.shares = 0  # gradient shares computed
+        self.weight_loads = 0
+
+    def gradients(self, samples: list[TrainSample], normaliser: float, weights_id: int,
+                  weights: list[Any]) -> GradientShare:
+        """Forward and backward on ``samples`` under the trainer's weights ``weights_id``; ``weights`` holds one
+        reference to them (in a list, so Ray fetches them only when this worker lacks them)."""
+        start = time.perf_counter()
+        loaded = self.learner.weights_id != weights_id
+        if loaded:
+            self.learner.load_weights(ray.get(weights[0]), weights_id)
+            self.weight_loads += 1
+        share = self.learner.gradients(samples, normaliser)
+        self.shares += 1
+        return dataclasses.replace(share, seconds=time.perf_counter() - start, loaded_weights=loaded)
+
+    def counters(self) -> dict[str, int]:
+        return {"shares": self.shares, "weight_loads": self.weight_loads}
+
+
+class _SharedWeights:
+    """The trainer's weights in the object store, put once per ``weights_id`` for every helper of a step."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.ref: tuple[int, Any] | None = None
+
+    def get(self, weights_id: int) -> Any:
+        if self.ref is None or self.ref[0] != weights_id:
+            self.ref = (weights_id, ray.put(self.trainer.export_weights()))
+        return self.ref[1]
+
+
+@dataclass
+class RayGradientHelper:
+    """``policies.trainer.GradientHelper`` over a ``FlexWorker`` actor."""
+
+    worker: Any
+    weights: _SharedWeights
+
+    def start(self, samples: list[TrainSample], normaliser: float, weights_id: int) -> Any:
+        return self.worker.gradients.remote(samples, normaliser, weights_id, [self.weights.get(weights_id)])
+
+    def collect(self, handle: Any) -> GradientShare:
+        return ray.get(handle)
+
+
 class RayToolRunner:
     """Each call is a Ray task (``cpus_per_call`` CPUs) running ``fn(transcript, timeout_s, max_chars)``.
 
@@ -299,7 +367,8 @@ class TrainerWorker:
         return self.trainer.version
 
     def train(self, run_id: str, trajectory_ids: list[str], loss_weights: list[float],
-              versions: tuple[int, int] | None = None, expect_version: int | None = None) -> TrainStep:
+              versions: tuple[int, int] | None = None, expect_version: int | None = None,
+              helpers: Sequence[str] = ()) -> TrainStep:
         """One step on the named trajectories (advantages computed per whole GRPO group).
 
         ``versions`` (lowest, highest policy version of the batch) lets the
@@ -330,7 +399,8 @@ class TrainerWorker:
             step = self.trainer.step([samples[i] for i in shares[0]])
             ray.get(refs)
         else:
-            step = self.trainer.step(samples)
+            shared = _SharedWeights(self.trainer)
+            step = self.trainer.step(samples, [RayGradientHelper(ray.get_actor(name), shared) for name in helpers])
         batch = BatchStats.of(table.column("reward").to_pylist(), table.column("correct").to_pylist(),
                               table.column("response_length").to_pylist())
         return dataclasses.replace(step, trainer_read_seconds=read_s, trainer_batch_prefetched=prefetched, batch=batch)

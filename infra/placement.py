@@ -14,7 +14,7 @@ import ray
 
 from reflow.config.load import config_to_json
 from reflow.config.schema import ReflowConfig
-from reflow.infra.actors import EngineWorker, TrainerWorker, in_bundle
+from reflow.infra.actors import EngineWorker, FlexWorker, TrainerWorker, in_bundle
 from reflow.infra.signals import interrupt_on_signals
 from reflow.policies.multiturn import ToolSettings
 
@@ -83,8 +83,8 @@ def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
 def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root: str,
                    engine_settings: Any, version: int = 0, run_dir: str | None = None,
                    run_id: str | None = None, tool_fn: Any = None) -> Placement:
-    """Create the engine actors (``resources.engines``, then ``resources.elastic_engines``) and the trainer
-    (``resources.trainer_ranks``); wait for all.
+    """Create the engine actors (``resources.engines``, then ``resources.elastic_engines``, then the flex workers
+    of ``resources.flex_workers``) and the trainer (``resources.trainer_ranks``); wait for all.
 
     Several engines take one placement group (spread over the nodes by
     default), several trainer ranks another (packed by default).
@@ -104,6 +104,7 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
                              cpus_per_call=t.cpus_per_call, max_concurrent_calls=t.max_concurrent_calls)
 
     res = cfg.resources
+    check_capacity(cfg)
     env = {"env_vars": worker_env(res.torch_threads)}
     restarts = {"max_restarts": res.max_actor_restarts, "max_task_retries": -1 if res.max_actor_restarts else 0}
     trainer_name = "trainer"
@@ -116,6 +117,13 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
             cfg.rollout.engine, engine_settings, version, trainer_name, tools, tool_fn,
             ELASTIC_NICE if i >= res.engines else 0)
         for i, name in enumerate(engine_names)]
+    flex_names = tuple(f"flex-{i}" for i in range(res.flex_workers))
+    engines += [ray.remote(FlexWorker).options(
+        name=name, namespace=namespace, num_cpus=res.flex_cpus, num_gpus=res.engine_gpus, runtime_env=env,
+        max_concurrency=1, **restarts).remote(
+            cfg.rollout.engine, engine_settings, model_dir, config_to_json(cfg), version, trainer_name, tools,
+            tool_fn) for name in flex_names]
+    engine_names += flex_names
     group = trainer_placement_group(cfg)
     if group is not None:  # a process group cannot take a restarted member: a dead rank fails the run
         restarts = {"max_restarts": 0, "max_task_retries": 0}
@@ -134,6 +142,24 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
         nodes[trainer_name if rank == 0 else f"{trainer_name}-rank-{rank}"] = node
     return Placement(namespace=namespace, engines=engine_names, trainer=trainer_name, nodes=nodes,
                      weight_bytes=ray.get(trainer.weight_bytes.remote()))
+
+
+def check_capacity(cfg: ReflowConfig) -> None:
+    """Fail with the numbers when the cluster has fewer CPUs or GPUs than the run's actors reserve (Ray would wait
+    for them for ever)."""
+    res = cfg.resources
+    wanted = {"CPU": res.engines * res.engine_cpus + res.flex_workers * res.flex_cpus
+                     + res.trainer_ranks * res.trainer_cpus,
+              "GPU": (res.engines + res.flex_workers) * res.engine_gpus + res.trainer_ranks * res.trainer_gpus}
+    have = ray.cluster_resources()
+    for kind, need in wanted.items():
+        if need > have.get(kind, 0.0) + 1e-9:
+            raise RuntimeError(
+                f"the run's actors reserve {need:g} {kind}s (engines {res.engines} x {res.engine_cpus if kind == 'CPU' else res.engine_gpus:g}, "
+                f"flex_workers {res.flex_workers} x {res.flex_cpus if kind == 'CPU' else res.engine_gpus:g}, "
+                f"trainer_ranks {res.trainer_ranks} x {res.trainer_cpus if kind == 'CPU' else res.trainer_gpus:g}) "
+                f"and the Ray cluster has {have.get(kind, 0.0):g}: lower resources.*_{kind.lower()}s or add "
+                f"resources (resources.num_cpus for a local Ray)")
 
 
 def join_weight_group(cfg: ReflowConfig, trainer: Any, engines: Sequence[Any]) -> None:

@@ -7,6 +7,16 @@ wrapped with ``fully_shard``. Each rank then steps on its share of the batch
 the one-rank update on the whole batch; ``export_weights`` gathers full tensors
 and checkpoints are sharded (``torch.distributed.checkpoint``). Every method
 that touches the weights is then a collective: all ranks call it together.
+
+On one rank, a step can also take **gradient helpers** (``GradientHelper``:
+the elastic pool's flex workers while they train). The batch's samples with a
+gradient are split by tokens between the trainer and its helpers; each helper
+loads the trainer's weights of the moment (when it lacks them), runs forward
+and backward on its share with the batch's global normaliser, and returns the
+summed gradients; the trainer adds them to its own and takes the optimiser
+step. The optimiser state never leaves the trainer, so however many helpers
+join a step the update is the one-trainer update on the same batch (up to the
+order of float additions).
 """
 
 from __future__ import annotations
@@ -15,8 +25,10 @@ import dataclasses
 import random
 import shutil
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +56,28 @@ class TrainSample:
     # log-probs of the response tokens under the weights at the start of the step (``Trainer.with_proximal``);
     # None: the loss takes the current log-probs, detached (one optimiser step per batch)
     proximal_logprobs: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class GradientShare:
+    """What a helper returns for its share of a step: gradients and the loss figures, summed."""
+
+    grads: dict[str, torch.Tensor]  # parameter name -> gradient (empty: the share had nothing to train)
+    sums: dict[str, float]  # loss, kl, entropy, clip, ratio: sums as ``Trainer._micro_step`` returns them
+    passes: int  # forward and backward passes it ran
+    seconds: float = 0.0
+    loaded_weights: bool = False  # whether it had to load the trainer's weights first
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class GradientHelper(Protocol):
+    """A worker that computes gradients on a share of a step (``Trainer.step``'s ``helpers``)."""
+
+    def start(self, samples: list[TrainSample], normaliser: float, weights_id: int) -> Any:
+        """Start on ``samples`` under the trainer's weights ``weights_id`` (``Trainer.weights_id``); a handle."""
+        ...
+
+    def collect(self, handle: Any) -> GradientShare: ...
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -126,6 +160,10 @@ class Trainer:
         self._maybe_shard()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
                                            weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+        # Which weights the model holds: +1 per optimiser step (minibatches included); a helper with other ones
+        # loads the trainer's before its share. Not the policy version, which moves once per batch. It starts
+        # at random, so a trainer restarted by Ray never repeats an id a helper still holds other weights under.
+        self.weights_id = uuid.uuid4().int >> 80
 
     def _maybe_shard(self) -> None:
         """FSDP2: shard each decoder layer, then the root, when running on several ranks."""
@@ -195,7 +233,7 @@ class Trainer:
         return (self.cfg.skip_zero_advantage and self.reference is None
                 and (sample.advantage == 0.0 or sample.loss_weight == 0.0))
 
-    def step(self, samples: list[TrainSample]) -> TrainStep:
+    def step(self, samples: list[TrainSample], helpers: Sequence[GradientHelper] = ()) -> TrainStep:
         """One batch: ``train.minibatches_per_step`` optimiser steps (gradients accumulated over micro-batches).
 
         With one minibatch (the default) the loss normaliser counts every sample of the batch, skipped
@@ -208,7 +246,8 @@ class Trainer:
         whatever ``k``. Entropy, clip fraction and ratio are means over the tokens trained on; loss,
         gradient norm and learning rate are means over the minibatches. Sharded, ``samples`` is this
         rank's share: each rank splits its share into ``k``, minibatch ``j`` is the union of the ranks'
-        ``j``-th parts, and every figure returned is the whole batch's.
+        ``j``-th parts, and every figure returned is the whole batch's. ``helpers`` (one rank only) share
+        each optimiser step's forward and backward passes (module docstring).
         """
         start = time.perf_counter()
         self.model.train()
@@ -216,7 +255,8 @@ class Trainer:
         k = max(1, min(self.cfg.minibatches_per_step, with_gradient))
         if k > 1:
             samples = self.with_proximal(samples)
-        parts = [self._optimizer_step(part) for part in (self.minibatches(samples, k) if k > 1 else [samples])]
+        parts = [self._optimizer_step(part, helpers)
+                 for part in (self.minibatches(samples, k) if k > 1 else [samples])]
         self.version += 1
         total = {key: sum(part[key] for part in parts) for key in parts[0]}
         per_token = float(max(total["trained_tokens"], 1))
@@ -227,7 +267,8 @@ class Trainer:
                          trainer_seconds=time.perf_counter() - start,
                          skipped_samples=int(total["batch_size"] - total["trained_samples"]),
                          skipped_tokens=int(total["loss_tokens"] - total["trained_tokens"]),
-                         learning_rate=total["learning_rate"] / k)
+                         learning_rate=total["learning_rate"] / k, helpers=len(helpers) if not self._sharded else 0,
+                         helper_samples=int(total["helper_samples"]))
 
     def minibatches(self, samples: list[TrainSample], k: int) -> list[list[TrainSample]]:
         """``samples`` in ``k`` minibatches: those with a gradient dealt by tokens (``split_by_tokens``), the
@@ -265,26 +306,50 @@ class Trainer:
                                              .tolist())
         return out
 
-    def _optimizer_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        """One optimiser step on ``samples`` (a batch or one of its minibatches); the whole batch's sums."""
+    def _optimizer_step(self, samples: list[TrainSample], helpers: Sequence[GradientHelper] = ()) -> dict[str, float]:
+        """One optimiser step on ``samples`` (a batch or one of its minibatches); the whole batch's sums.
+
+        With ``helpers`` the samples with a gradient are split by tokens into ``1 + len(helpers)`` shares; the
+        helpers start on theirs first, so they compute while this process runs its own share.
+        """
         loss_tokens = int(sum(sum(s.loss_mask) for s in samples))
         active = [s for s in samples if not self.skippable(s)]
         trained_tokens = int(sum(sum(s.loss_mask) for s in active))
-        groups = pack_micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in active],
-                                    self.cfg.micro_batch_tokens)
         loss_tokens, batch_size, trained_tokens, trained_samples = (int(v) for v in self._global(
             [loss_tokens, len(samples), trained_tokens, len(active)]))
-        passes = int(self._global([len(groups)], op="max")[0])
         normaliser = float(max(loss_tokens, 1)) if self.cfg.loss_agg == "token_mean" else float(batch_size)
-        sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "ratio": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
+        helpers = list(helpers) if not self._sharded else []
+        started, helper_samples = [], 0
+        if helpers and active:
+            shares = split_by_tokens([len(s.prompt_tokens) + len(s.response_tokens) for s in active],
+                                     1 + len(helpers))
+            for helper, share in zip(helpers, shares[1:]):
+                if share:
+                    started.append((helper, helper.start([active[i] for i in share], normaliser, self.weights_id)))
+                    helper_samples += len(share)
+            active = [active[i] for i in shares[0]]
+        groups = pack_micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in active],
+                                    self.cfg.micro_batch_tokens)
+        passes = int(self._global([len(groups)], op="max")[0])
+        sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "ratio": 0.0}
         for k in range(passes):
             part = self._micro_step([active[i] for i in groups[k]] if k < len(groups) else [self._empty_sample()],
                                     normaliser)
             for key in sums:
                 sums[key] += part[key]
-        if not passes:  # a zero gradient, not a missing one: AdamW still decays its moments and steps
-            for p in self.model.parameters():
+        named = dict(self.model.named_parameters())
+        for helper, handle in started:
+            share = helper.collect(handle)
+            passes += share.passes
+            for key in sums:
+                sums[key] += share.sums[key]
+            for name, grad in share.grads.items():
+                p = named[name]
+                p.grad = grad.to(p.device, p.dtype) if p.grad is None else p.grad.add_(grad.to(p.device, p.dtype))
+        # a zero gradient, not a missing one: AdamW still decays its moments and steps
+        for p in self.model.parameters():
+            if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):  # sharded: a replicated DTensor
@@ -293,10 +358,36 @@ class Trainer:
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         self.optimizer.step()
+        self.weights_id += 1
         sums = dict(zip(sums, self._global(list(sums.values()))))
         return sums | {"grad_norm": float(grad_norm), "learning_rate": lr, "passes": passes,
                        "loss_tokens": loss_tokens, "batch_size": batch_size, "trained_tokens": trained_tokens,
-                       "trained_samples": trained_samples}
+                       "trained_samples": trained_samples, "helper_samples": helper_samples}
+
+    def gradients(self, samples: list[TrainSample], normaliser: float) -> GradientShare:
+        """A helper's share of a step (``GradientHelper``): forward and backward on ``samples`` with the
+        batch's ``normaliser``; the summed gradients, nothing stepped. One rank only."""
+        if self._sharded:
+            raise RuntimeError("Trainer.gradients runs on one rank (a flex worker), not on a sharded trainer")
+        start = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        active = [s for s in samples if not self.skippable(s)]
+        groups = pack_micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in active],
+                                    self.cfg.micro_batch_tokens)
+        sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "ratio": 0.0}
+        for group in groups:
+            part = self._micro_step([active[i] for i in group], normaliser)
+            for key in sums:
+                sums[key] += part[key]
+        grads = {name: p.grad.detach().clone() for name, p in self.model.named_parameters() if p.grad is not None}
+        self.optimizer.zero_grad(set_to_none=True)
+        return GradientShare(grads=grads, sums=sums, passes=len(groups), seconds=time.perf_counter() - start)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], weights_id: int) -> None:
+        """Take the trainer's weights ``weights_id`` (a flex worker before its share; one rank only)."""
+        self.model.load_state_dict(weights)
+        self.weights_id = weights_id
 
     def _empty_sample(self) -> TrainSample:
         """A two-token sample with no loss token and weight 0: a pass whose gradient is exactly zero."""
@@ -425,6 +516,7 @@ class Trainer:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             rng = state
+        self.weights_id += 1  # other weights: a helper must load them
         torch.set_rng_state(rng["torch_rng"])
         np.random.set_state(rng["numpy_rng"])
         random.setstate(rng["python_rng"])

@@ -83,6 +83,8 @@ class TrainStep:
     trainer_batch_prefetched: bool | None = field(default=False, metadata=group("perf"))  # the batch was read while the step before computed (streaming;
     # None in rounds, which never prefetch)
     batch: BatchStats | None = field(default=None, metadata=NOT_LOGGED)  # the rows trained on
+    helpers: int = 0  # flex workers that computed gradients for the step beside the trainer (the elastic pool)
+    helper_samples: int = 0  # of the samples with a gradient, those the helpers trained on
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,12 @@ class StreamStats:
     # stepping since the step before (logged as <name>_<engine>; empty with one engine)
     concurrency_target_by_engine: tuple[int, ...] = field(default=(), metadata=group("rollout"))
     engine_tokens_per_s_by_engine: tuple[float, ...] = field(default=(), metadata=group("perf"))
+    # the elastic pool (``resources.flex_workers``; None without one): flex workers generating and training,
+    # switches since the run started, mean seconds of the switches finished since the step before
+    role_generators: int | None = field(default=None, metadata=group("pool"))
+    role_trainers: int | None = field(default=None, metadata=group("pool"))
+    role_switches: int | None = field(default=None, metadata=group("pool"))
+    switch_seconds: float | None = field(default=None, metadata=group("pool"))
 
 
 @dataclass(frozen=True)

@@ -361,8 +361,10 @@ def finalize(run_dir: str) -> RunOutcome:
     manifest = provenance.finish_manifest(provenance.read_manifest(run_dir), Path(run_dir) / "checkpoints",
                                           ctx.store.table_versions(), per_step)
     manifest_path = provenance.write_manifest(run_dir, manifest)
+    roles = Path(run_dir) / "roles.jsonl"  # the elastic pool's decisions (tasks.stream.ROLES_LOG)
     for path, dest in ((final_model, "final_model"), (png, None), (versions, "delta"),
-                       (Path(run_dir) / "steps.jsonl", None), (manifest_path, "reproduce")):
+                       (Path(run_dir) / "steps.jsonl", None), (manifest_path, "reproduce"),
+                       *([(roles, None)] if roles.exists() else [])):
         tracker.log_artifact(path, dest)
     tracker.end("FINISHED")
     outcome = RunOutcome(run_dir=run_dir, mlflow_run_id=ctx.record.mlflow_run_id, tracking_ui=tracker.ui_url(),

@@ -79,6 +79,9 @@ def rollout(run_dir: str, step: int) -> RolloutHandle:
         return RolloutHandle(step=step, samples=None, num_requests=0, submitted_at=now)
     prompts = _train_prompts(ctx, step)
     names = ctx.record.engines
+    if ctx.cfg.mode.kind == "one_step_off":  # its rollout overlaps the update, which the flex workers serve
+        flex = set(ctx.cfg.resources.flex_indices)
+        names = tuple(name for i, name in enumerate(names) if i not in flex)
     refs, main_parts = [], 0
     for i, name in enumerate(names):  # whole groups, dealt round-robin to the main engines and the elastic ones
         requests = requests_for(ctx, prompts[i::len(names)], ctx.cfg.rollout.samples_per_prompt, str(step))

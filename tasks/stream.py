@@ -10,8 +10,10 @@ order, that the sync modes use), with round tag ``g<g>`` (``storage.schema.Sampl
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -19,6 +21,7 @@ import ray
 
 from reflow.control.concurrency import ConcurrencyController
 from reflow.control.feeder import Drained, Finished
+from reflow.control.roles import RolePool
 from reflow.control.selector import StepOutcome
 from reflow.control.state import LoopState
 from reflow.control.streaming import StreamStart
@@ -32,6 +35,11 @@ from reflow.storage.store import TRAJECTORIES, USAGE
 from reflow.tasks.context import TaskContext, context, mark_origin, step_clock, step_control_cpu, step_cpu_idle
 from reflow.tasks.rollout import requests_for, scored_records
 from reflow.tasks.update import PendingUpdate, UpdateSummary, finish_update, prefetch_batch, push_weights, start_update
+
+# Every decision of the elastic pool's scheduler, one JSON line each (``at``, ``worker``, ``role``, ``reason``,
+# ``rates``), and every finished switch (``switched``: the worker, ``role``, ``seconds``), in the run directory
+# and as an MLflow artifact.
+ROLES_LOG = "roles.jsonl"
 
 
 @dataclass(frozen=True)
@@ -223,8 +231,10 @@ class RaySelector:
 
     def __init__(self, run_dir: str, state: LoopState, controllers: Sequence[ConcurrencyController],
                  on_step: Any, replay: bool, tokens_by_engine: Sequence[int] = (0,),
-                 checkpoints: Any = lambda step: False) -> None:
+                 checkpoints: Any = lambda step: False, pool: RolePool | None = None) -> None:
         self.run_dir = run_dir
+        self.pool = pool  # the flex workers' scheduler: the workers ready to train join each step
+        self._decisions_logged = 0  # of pool.scheduler.decisions, those written to roles.jsonl
         self.ctx = context(run_dir)
         cfg = self.ctx.cfg
         b = cfg.buffer
@@ -268,7 +278,8 @@ class RaySelector:
         prefetch_batch(self.run_dir, selection)
 
     def start_train(self, step: int, selection: ReplaySelection) -> tuple[ReplaySelection, PendingUpdate]:
-        return selection, start_update(self.run_dir, step, selection)
+        helpers = [self.ctx.record.engines[i] for i in self.pool.ready()] if self.pool is not None else []
+        return selection, start_update(self.run_dir, step, selection, helpers)
 
     def finish_train(self, handle: tuple[ReplaySelection, PendingUpdate], timeout: float | None) -> StepOutcome | None:
         selection, pending = handle
@@ -315,8 +326,9 @@ class RaySelector:
             / max(engine_s.get(i, 0.0) - self.seen.engine_seconds.get(i, 0.0), 1e-9)
             for i in range(len(self.controllers))) if len(self.controllers) > 1 else ()
         self.seen.engine_seconds, self.seen.engine_tokens = engine_s, engine_tokens
-        main = self.ctx.cfg.resources.engines
-        elastic = sum(self.tokens_by_engine[main:])
+        res = self.ctx.cfg.resources
+        main = res.engines
+        elastic = sum(self.tokens_by_engine[main:main + res.elastic_engines])
         busy_d, tokens_d = busy - self.seen.engine_busy_s, tokens - self.seen.generated_tokens
         elastic_d = elastic - self.seen.elastic_tokens
         self.seen.engine_busy_s, self.seen.generated_tokens, self.seen.elastic_tokens = busy, tokens, elastic
@@ -332,7 +344,7 @@ class RaySelector:
             trainer_idle_fraction=min(1.0, max(0.0, 1.0 - train.trainer_seconds / step_s)),
             generated_tokens=tokens_d, generated_tokens_per_s=tokens_d / step_s,
             trained_tokens_per_s=train.trained_tokens / max(train.trainer_seconds, 1e-9),
-            elastic_token_share=min(1.0, elastic_d / max(tokens_d, 1)) if len(self.tokens_by_engine) > main else None,
+            elastic_token_share=min(1.0, elastic_d / max(tokens_d, 1)) if res.elastic_engines else None,
             staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
             staleness_max=int(staleness.max()) if staleness.size else 0, policy_version=updated.version,
             samples=len(sel.trajectory_ids), machine_cpu_idle_fraction=step_cpu_idle(self.run_dir),
@@ -347,5 +359,24 @@ class RaySelector:
             groups_abandoned=abandoned, write_seconds=write_d, writes=writes_d,
             concurrency_target_by_engine=tuple(c.target for c in self.controllers) if len(self.controllers) > 1 else (),
             engine_tokens_per_s_by_engine=engine_rates,
-            staleness_hist=tuple(int(np.sum(staleness == age)) for age in range(self.policy.max_staleness_versions + 1)))
+            staleness_hist=tuple(int(np.sum(staleness == age)) for age in range(self.policy.max_staleness_versions + 1)),
+            **self._pool_figures())
         return elapsed, StepMetrics(batch=train.batch, train=train, times=times, stream=stream)
+
+    def _pool_figures(self) -> dict[str, Any]:
+        """The elastic pool's step figures (``StreamStats.role_*``), its new decisions appended to roles.jsonl."""
+        if self.pool is None:
+            return {}
+        decisions = self.pool.scheduler.decisions[self._decisions_logged:]
+        self._decisions_logged += len(decisions)
+        finished = self.pool.finished_switches()
+        flex = list(self.ctx.cfg.resources.flex_indices)
+        lines = [{"at": d.at, "worker": d.worker, "role": d.role, "reason": d.reason,
+                  "rates": dataclasses.asdict(d.rates)} for d in decisions]
+        lines += [{"switched": flex.index(engine), "role": role, "seconds": seconds} for engine, role, seconds in finished]
+        if lines:
+            with open(Path(self.run_dir) / ROLES_LOG, "a") as out:
+                out.writelines(json.dumps(line) + "\n" for line in lines)
+        f = self.pool.figures(finished)
+        return {"role_generators": f.generators, "role_trainers": f.trainers, "role_switches": f.switches,
+                "switch_seconds": f.switch_seconds}

@@ -9,7 +9,7 @@ appends one ``usage`` row per trajectory (application transaction
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import ray
 from prefect import task
@@ -72,7 +72,8 @@ def prefetch_batch(run_dir: str, selection: BatchSelection) -> None:
         ctx.record.run_id, selection.trajectory_ids, selection.loss_weights, batch_versions(selection))
 
 
-def _start(run_dir: str, step: int, selection: BatchSelection | None, trainer_version: int | None) -> PendingUpdate:
+def _start(run_dir: str, step: int, selection: BatchSelection | None, trainer_version: int | None,
+           helpers: Sequence[str] = ()) -> PendingUpdate:
     ctx = context(run_dir)
     start = ctx.clock.now()
     trainer = actor(ctx.record.trainer, ctx.record.namespace)
@@ -82,7 +83,7 @@ def _start(run_dir: str, step: int, selection: BatchSelection | None, trainer_ve
                                                                rollout_step=step)
     versions = batch_versions(batch)
     result = trainer.train.remote(ctx.record.run_id, batch.trajectory_ids, batch.loss_weights, versions,
-                                  trainer_version)
+                                  trainer_version, list(helpers))
     # The usage rows are known before the step: log them while the trainer computes (the trainer waited for
     # this commit before). A kill between the two leaves a logged step that a resume trains again, with the
     # logged batch, as it does for any step after the newest checkpoint.
@@ -109,20 +110,25 @@ def update(run_dir: str, step: int, selection: BatchSelection | None = None) -> 
     """One trainer step; logs the batch to ``usage``.
 
     ``selection`` is the batch chosen by the buffer's query (streaming
-    modes); None takes the whole rollout of ``step`` (sync modes).
+    modes); None takes the whole rollout of ``step`` (sync modes). In the
+    round modes every flex worker (``resources.flex_workers``) computes a
+    share of the step: the rollout is over when the update runs.
     """
-    return finish_update(run_dir, _start(run_dir, step, selection, None))
+    ctx = context(run_dir)
+    flex = [ctx.record.engines[i] for i in ctx.cfg.resources.flex_indices]
+    return finish_update(run_dir, _start(run_dir, step, selection, None, flex))
 
 
 @task(name="start_update", cache_policy=NO_CACHE)
-def start_update(run_dir: str, step: int, selection: ReplaySelection) -> PendingUpdate:
+def start_update(run_dir: str, step: int, selection: ReplaySelection, helpers: Sequence[str] = ()) -> PendingUpdate:
     """Start one trainer step on a buffer selection and log it to ``usage``; ``finish_update`` collects it.
 
     The step trains at the selection's ``trainer_version``; the trainer
     refuses it at any other version (the selector chose the batch one
-    version ahead, while the step before was training).
+    version ahead, while the step before was training). ``helpers``: names of the flex workers that compute a
+    share of its gradients.
     """
-    return _start(run_dir, step, selection, selection.trainer_version)
+    return _start(run_dir, step, selection, selection.trainer_version, helpers)
 
 
 @task(name="sync_weights", cache_policy=NO_CACHE)

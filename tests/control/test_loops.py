@@ -12,6 +12,7 @@ from reflow.control.clock import VirtualClock
 from reflow.control.concurrency import ConcurrencyController
 from reflow.control.feeder import Drained, FeederLoop, Finished
 from reflow.control.gate import StalenessGate
+from reflow.control.roles import RolePool, RoleScheduler
 from reflow.control.selector import SelectorLoop, StepOutcome
 from reflow.control.state import LoopState
 from reflow.storage.delta_store import DeltaTrajectoryStore
@@ -558,3 +559,57 @@ def test_abandoned_groups_free_their_own_engine() -> None:
     # the aborted requests left their own engine's count, and new groups refilled each to its own target
     assert engines.dealt == {0: [0, 1, 3, 5, 6, 8], 1: [2, 4, 7, 9]}
     assert feeder._in_flight_by_engine == [len(engines.held[0]), len(engines.held[1])] == [12, 8]
+
+
+def test_a_flex_worker_moved_to_training_finishes_its_requests_then_is_ready_and_comes_back() -> None:
+    """Engine 1 is a flex worker: the scheduler moves it to training when the buffer runs over its band; it gets
+    no new group, its requests finish where they run, then it is ready (the switch timed); moved back to
+    generation it is dealt groups again, and no group is lost or dealt twice."""
+    engines, state, clock = TwoEngines(), LoopState(), VirtualClock()
+    controllers = [ConcurrencyController(8, 8, 8, 4), ConcurrencyController(8, 8, 8, 4)]
+    feeder = FeederLoop(engines, state, StalenessGate(1000, 1000, 1000), controllers, clock)
+    scheduler = RoleScheduler(["generate"], clock, low=0.5, high=1.5, dwell_s=5.0)
+    pool = RolePool(scheduler, state, flex=[1], batch_groups=2, window_s=1.0, switch_estimate_s=0.0)
+    for _ in range(3):
+        feeder.run_once()
+        clock.advance(1.0)
+    assert engines.dealt[1] and state.roles == {1: "generate"} and pool.ready() == []
+    pool.tick()  # starts the first window
+    with state.cond:
+        state.groups_written += 8  # four batches waiting and rising: training is the slow stage
+        state.unused.update({100 + g: 0 for g in range(8)})
+    for _ in range(5):  # past the first dwell (a worker keeps its first role that long too); the feeder samples
+        clock.advance(1.0)  # the level each window
+        feeder.run_once()
+    decision = pool.tick()
+    assert decision is not None and decision.role == "train" and state.roles == {1: "train"}
+    dealt = len(engines.dealt[1])
+    assert decision.rates.buffer_groups >= 8  # the window's mean level: the 8 put there, and what was written
+    while engines.held[1]:
+        assert pool.ready() == []  # not before its last request finished
+        feeder.run_once()
+        clock.advance(1.0)
+    feeder.run_once()
+    assert pool.ready() == [1] and len(engines.dealt[1]) == dealt  # nothing new was dealt to it
+    assert len(state.switch_seconds) == 1 and state.switch_seconds[0][:2] == (1, "train")
+    assert state.switch_seconds[0][2] > 0
+    # the buffer runs dry while the trainer consumes fast: back to generation after the dwell
+    assert pool.tick().worker is None  # (a new window starts; nothing can move within the dwell)
+    for _ in range(5):
+        with state.cond:  # the trainer takes every group as it is written, and more
+            state.groups_consumed += len(state.unused) + 8
+            state.unused.clear()
+        clock.advance(1.0)
+        feeder.run_once()
+    decision = pool.tick()
+    assert decision is not None and decision.role == "generate" and pool.ready() == []
+    for _ in range(3):
+        feeder.run_once()
+        clock.advance(1.0)
+    assert len(engines.dealt[1]) > dealt and len(state.switch_seconds) == 2
+    assert state.switch_seconds[1][:2] == (1, "generate")
+    figures = pool.figures(pool.finished_switches())
+    assert (figures.generators, figures.trainers, figures.switches) == (1, 0, 2)
+    assert figures.switch_seconds == (state.switch_seconds[0][2] + state.switch_seconds[1][2]) / 2
+    every = engines.dealt[0] + engines.dealt[1]
+    assert len(every) == len(set(every))  # no group dealt twice

@@ -75,3 +75,30 @@ def test_a_switch_that_costs_more_than_it_can_win_is_not_made() -> None:
 def test_bad_bands_are_refused() -> None:
     with pytest.raises(ValueError, match="low"):
         RoleScheduler(["train"], VirtualClock(), low=3, high=1)
+
+
+def test_a_buffer_pinned_outside_the_band_moves_a_worker_by_the_measured_wait() -> None:
+    """Produced equals trained, so the trend alone sees nothing to win: an empty buffer with a waiting trainer
+    (generation is the bottleneck) and a full one with idle engines (the gate holds them back) still move a
+    worker, because the measured wait over a dwell exceeds the switch's cost; without a wait nothing moves."""
+    clock = VirtualClock()
+    s = RoleScheduler(["train", "generate"], clock, low=0.5, high=1.5, dwell_s=30.0)
+    clock.advance(30.0)
+    held = s.decide(StageRates(2.0, 2.0, 0, 16, switch_s=1.0))
+    assert held.worker is None and "switch cost" in held.reason
+    moved = s.decide(StageRates(2.0, 2.0, 0, 16, switch_s=1.0, trainer_wait=0.4))
+    assert (moved.worker, moved.role) == (0, "generate")
+    clock.advance(30.0)
+    assert s.decide(StageRates(2.0, 2.0, 32, 16, switch_s=1.0, generator_wait=0.0)).worker is None
+    moved = s.decide(StageRates(2.0, 2.0, 32, 16, switch_s=1.0, generator_wait=0.3))
+    assert moved.role == "train" and s.trainers == 1
+
+
+def test_the_alternate_policy_switches_every_dwell_whatever_the_rates() -> None:
+    clock = VirtualClock()
+    s = RoleScheduler(["generate", "train"], clock, dwell_s=10.0, policy="alternate")
+    run(s, clock, windows=10, produced=2.0, trained=2.0, level=24)  # steady: the band rule would hold
+    # windows at 10, 20, ... 100 s, one dwell apart: a switch in each, the worker longest in its role first
+    assert s.switches == 10
+    assert [(d.worker, d.role) for d in s.decisions if d.worker is not None][:3] == [
+        (0, "train"), (1, "generate"), (0, "generate")]

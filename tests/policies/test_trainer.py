@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reflow.config.schema import TrainConfig
-from reflow.policies.trainer import Trainer, TrainSample, pack_micro_batches
+from reflow.policies.trainer import GradientShare, Trainer, TrainSample, pack_micro_batches
 
 
 def test_pack_micro_batches_respects_budget_and_keeps_every_sample() -> None:
@@ -389,3 +389,43 @@ def test_trainer_worker_trains_on_the_batch_it_prefetched(random_model_dir: Path
     early.prefetch("r", ["r/g9/0"], [1.0], (0, 0))  # a failed read is left to train, which reports it
     with pytest.raises(RuntimeError, match="1 trajectories selected, 0 found"):
         early.train("r", ["r/g9/0"], [1.0], (0, 0))
+
+
+class _InProcessHelper:
+    """A flex worker in this process: a second ``Trainer`` that only computes gradients (loads weights first)."""
+
+    def __init__(self, model_dir: Path, cfg: TrainConfig, source: Trainer) -> None:
+        self.worker = Trainer(str(model_dir), cfg, seed=1)  # other seed: nothing may depend on it
+        self.source, self.loads, self.samples = source, 0, 0
+
+    def start(self, samples: list[TrainSample], normaliser: float, weights_id: int) -> GradientShare:
+        if self.worker.weights_id != weights_id:
+            self.worker.load_weights({k: v.clone() for k, v in self.source.model.state_dict().items()}, weights_id)
+            self.loads += 1
+        self.samples += len(samples)
+        return self.worker.gradients(samples, normaliser)
+
+    def collect(self, handle: GradientShare) -> GradientShare:
+        return handle
+
+
+@pytest.mark.parametrize("cfg", [{}, {"minibatches_per_step": 2}, {"kl_coef": 0.05, "loss_agg": "seq_mean"}],
+                         ids=["one-step", "two-minibatches", "kl-seq-mean"])
+def test_a_step_shared_with_helpers_equals_the_one_trainer_step(random_model_dir: Path, cfg: dict) -> None:
+    """The elastic pool's exactness: the same batches trained by 1 trainer, or by 1 trainer + 1 or 2 helpers,
+    give the same parameters within 1e-5 (three steps: the helpers reload the weights each step)."""
+    config = TrainConfig(learning_rate=1e-3, micro_batch_tokens=64, **cfg)
+    batches = [_with_zero_advantage(_samples(10, seed=20 + i), every=4) for i in range(3)]
+    alone = Trainer(str(random_model_dir), config, seed=0)
+    for batch in batches:
+        alone.step(batch)
+    for n_helpers in (1, 2):
+        shared = Trainer(str(random_model_dir), config, seed=0)
+        helpers = [_InProcessHelper(random_model_dir, config, shared) for _ in range(n_helpers)]
+        steps = [shared.step(batch, helpers) for batch in batches]
+        assert all(h.samples > 0 for h in helpers), "a helper trained on nothing: the test would prove nothing"
+        assert all(s.helpers == n_helpers and 0 < s.helper_samples for s in steps)
+        assert all(h.loads == 3 * config.minibatches_per_step for h in helpers)  # new weights every optimiser step
+        a, b = _params(alone), _params(shared)
+        assert max(float((a[n] - b[n]).abs().max()) for n in a) < 1e-5
+        assert shared.version == alone.version == 3
