@@ -25,6 +25,7 @@ from reflow.config.schema import (
     EvalConfig,
     ModeConfig,
     ModelConfig,
+    PoolConfig,
     ReflowConfig,
     ResourcesConfig,
     RolloutConfig,
@@ -43,7 +44,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 # The train form's sections, in the order of ``train``'s parameters (every section of the config).
 SECTIONS = ("mode", "run", "rollout", "train", "env", "model", "buffer", "eval", "concurrency", "tools",
-            "resources", "tracking", "storage")
+            "resources", "pool", "tracking", "storage")
 assert sorted(SECTIONS) == sorted(ReflowConfig.model_fields), "the train form must offer every config section"
 
 
@@ -85,7 +86,8 @@ def train_flow(mode: ModeConfig = ModeConfig(), run: RunConfig = RunConfig(),
                env: EnvConfig = EnvConfig(), model: ModelConfig = ModelConfig(), buffer: BufferConfig = BufferConfig(),
                eval: EvalConfig = EvalConfig(), concurrency: ConcurrencyConfig = ConcurrencyConfig(),
                tools: ToolsConfig = ToolsConfig(), resources: ResourcesConfig = ResourcesConfig(),
-               tracking: TrackingConfig = TrackingConfig(), storage: StorageConfig = StorageConfig()) -> dict[str, Any]:
+               pool: PoolConfig = PoolConfig(), tracking: TrackingConfig = TrackingConfig(),
+               storage: StorageConfig = StorageConfig()) -> dict[str, Any]:
     """Train a policy with the config the form holds (each section's fields are checked together here).
 
     Args:
@@ -100,12 +102,13 @@ def train_flow(mode: ModeConfig = ModeConfig(), run: RunConfig = RunConfig(),
         concurrency: in-flight generation requests per engine (streaming modes).
         tools: multi-turn tool calls (tool_calc).
         resources: Ray: cluster address, CPUs and GPUs per actor, threads.
+        pool: the elastic pool's stage-speed scheduler (resources.flex_workers).
         tracking: MLflow.
         storage: where the Delta tables live.
     """
     sections = {"mode": mode, "run": run, "rollout": rollout, "train": train, "env": env, "model": model,
                 "buffer": buffer, "eval": eval, "concurrency": concurrency, "tools": tools, "resources": resources,
-                "tracking": tracking, "storage": storage}
+                "pool": pool, "tracking": tracking, "storage": storage}
     cfg = form_config(sections)
     run_id = new_run_id(cfg)
     run_dir = str((Path(cfg.run.out_dir) / run_id).resolve())
