@@ -409,6 +409,12 @@ class PoolConfig(_Section):
     window_s: float = Field(5.0, gt=0, le=3600, description="Seconds of measured rates per decision.")
     switch_estimate_s: float = Field(1.0, ge=0, le=3600, description="Cost of a switch assumed until one is "
                                      "measured (a switch must win back more than it costs over a dwell).")
+    in_flight: Literal["move", "finish"] = Field("move", description="What a worker moving to training does "
+                                                 "with the requests it runs. move: gives them back at once, each "
+                                                 "resumed on a generating engine from where it stopped (its tokens "
+                                                 "keep their versions and log-probs; the prompt and partial "
+                                                 "response are prefilled again); finish: runs them to their end "
+                                                 "first (the switch waits for its longest request).")
     initial_role: Literal["generate", "train"] = Field("generate", description="Every flex worker's role at the "
                                                        "start.")
     policy: Literal["stage_speed", "alternate"] = Field("stage_speed", description="stage_speed: the band rule "

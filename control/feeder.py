@@ -9,11 +9,19 @@ steps them in short drain windows, and appends each group to the
 writing the previous window overlap the engine's next window. A group whose
 finished sample has aged out of the staleness window is abandoned in flight.
 ``control.streaming`` describes how it runs beside the selector.
+
+A flex worker the role scheduler (``control.roles``) moves to training gets
+no new group; with ``move_on_switch`` its engine also gives back the
+requests it runs (``release``), and the feeder deals each one, with what it
+had generated (every token keeps its log-prob and version), to the
+generating engine with the most room, where it resumes by prefill as after
+a weight update. Without it they finish where they run first.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from reflow.control.clock import Clock
@@ -33,6 +41,16 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Released:
+    """A request an engine gave back before it finished: its group, its engine, and the request that resumes it
+    elsewhere (a ``GenRequest`` carrying what was generated so far)."""
+
+    group: int
+    request: Any
+    engine: int
+
+
+@dataclass(frozen=True)
 class Drained:
     """What one drain window returned."""
 
@@ -42,6 +60,7 @@ class Drained:
     # engine index -> its own stepping seconds, for the engines whose window ended here (None: engine 0 alone,
     # busy_s seconds)
     busy_by_engine: dict[int, float] | None = None
+    released: list[Released] = field(default_factory=list)  # requests given back (``FeederBackend.release``)
 
     def engine_busy(self) -> dict[int, float]:
         """Engine index -> stepping seconds of this window."""
@@ -72,6 +91,14 @@ class FeederBackend(Protocol):
         """Abort the requests of ``groups`` still in flight, without waiting; their results are not needed."""
         ...
 
+    def release(self, engine: int) -> None:
+        """Have engine ``engine`` give back the requests it runs at its next window (``Drained.released``)."""
+        ...
+
+    def resubmit(self, requests: Sequence[Any], engine: int) -> None:
+        """Hand engine ``engine`` requests another engine gave back (``Released.request``)."""
+        ...
+
 
 class FeederLoop:
     """Generators -> score -> buffer, with the staleness gate and adaptive concurrency."""
@@ -79,7 +106,7 @@ class FeederLoop:
     def __init__(self, backend: FeederBackend, state: LoopState, gate: StalenessGate,
                  controllers: Sequence[ConcurrencyController], clock: Clock, window_s: float = 0.25,
                  idle_poll_s: float = 0.02, max_groups: int | None = None, write_min_groups: int = 1,
-                 write_max_wait_s: float = 1.0, batch_unused_groups: int = 0) -> None:
+                 write_max_wait_s: float = 1.0, batch_unused_groups: int = 0, move_on_switch: bool = True) -> None:
         if not controllers:
             raise ValueError("the feeder needs one concurrency controller per engine, got none")
         self.backend, self.state, self.gate, self.clock = backend, state, gate, clock
@@ -88,11 +115,15 @@ class FeederLoop:
         # Fewer, larger appends: a Delta commit per window would leave thousands of small files.
         self.write_min_groups, self.write_max_wait_s = write_min_groups, write_max_wait_s
         self.batch_unused_groups = batch_unused_groups  # the selector's minimum of unused groups per batch
+        self.move_on_switch = move_on_switch
+        self._releasing: set[int] = set()  # flex engines asked to give back their requests (switching to train)
         self._last_write = clock.now()
         self._next_group = 0
         self._in_flight = 0  # requests
         self._in_flight_by_engine = [0] * len(self.controllers)
-        self._engine_of: dict[int, int] = {}  # group in flight -> its engine (a group stays on one engine)
+        # group in flight -> engine -> its requests running there (a group is dealt to one engine; requests a
+        # flex worker gives back move to another)
+        self._where: dict[int, Counter[int]] = {}
         self._partial: dict[int, list[Finished]] = {}
         self._complete: dict[int, list[Finished]] = {}
         self._abandoned: set[int] = set()  # groups given up while in flight (results still arriving are dropped)
@@ -138,7 +169,7 @@ class FeederLoop:
             engine = max(range(len(room)), key=lambda i: (room[i], -i))
             dealt.setdefault(engine, []).append(g)
             room[engine] -= spg
-            self._engine_of[g] = engine
+            self._where[g] = Counter({engine: spg})
         for engine, groups in dealt.items():
             self.backend.submit(groups, engine)
             self._in_flight_by_engine[engine] += len(groups) * spg
@@ -171,7 +202,13 @@ class FeederLoop:
                 return
             now = self.clock.now()
             for i, decided in list(self.state.switching.items()):
-                if self.state.roles.get(i) == "train" and self._in_flight_by_engine[i] == 0:
+                if self.state.roles.get(i) == "train" and self._in_flight_by_engine[i] > 0:
+                    if self.move_on_switch and i not in self._releasing:
+                        self.backend.release(i)
+                        self._releasing.add(i)
+                    continue
+                if self.state.roles.get(i) == "train":
+                    self._releasing.discard(i)
                     self.state.ready.add(i)
                 elif self.state.roles.get(i) == "generate" and i in busy:
                     now -= busy[i]
@@ -180,6 +217,30 @@ class FeederLoop:
                 self.state.switch_seconds.append((i, self.state.roles[i], max(0.0, now - decided)))
                 del self.state.switching[i]
                 now = self.clock.now()
+
+    def _redeal(self, released: Sequence[Released]) -> None:
+        """Deal the requests flex engines gave back: each group's to the generating engine with the most room
+        below its target (they were admitted already: a full engine takes them too)."""
+        by_group: dict[int, list[Released]] = {}
+        for item in released:
+            if item.group in self._abandoned:  # aborted as it was given back
+                continue
+            by_group.setdefault(item.group, []).append(item)
+        if not by_group:
+            return
+        with self.state.cond:
+            training = {i for i, role in self.state.roles.items() if role == "train"}
+        for g, items in by_group.items():
+            engines = [i for i in range(len(self.controllers)) if i not in training] or [items[0].engine]
+            to = max(engines, key=lambda i: (self.controllers[i].target - self._in_flight_by_engine[i], -i))
+            self.backend.resubmit([item.request for item in items], to)
+            for item in items:
+                self._where[g][item.engine] -= 1
+                self._in_flight_by_engine[item.engine] -= 1
+            self._where[g][to] += len(items)
+            self._in_flight_by_engine[to] += len(items)
+        with self.state.cond:
+            self.state.requests_moved += sum(map(len, by_group.values()))
 
     @property
     def in_flight_groups(self) -> int:
@@ -200,9 +261,10 @@ class FeederLoop:
             return
         self.backend.abandon(hopeless)
         for g in hopeless:
-            outstanding = self.backend.samples_per_group - len(self._partial.pop(g))
-            self._in_flight -= outstanding
-            self._in_flight_by_engine[self._engine_of.pop(g)] -= outstanding
+            del self._partial[g]
+            for engine, outstanding in self._where.pop(g).items():
+                self._in_flight -= outstanding
+                self._in_flight_by_engine[engine] -= outstanding
             self._abandoned.add(g)
         with self.state.cond:
             self.state.groups_abandoned += len(hopeless)
@@ -256,10 +318,11 @@ class FeederLoop:
                 if item.group in self._abandoned:  # finished before its abort reached the engine
                     continue
                 finished[item.engine] = finished.get(item.engine, 0) + 1
+                self._where[item.group][item.engine] -= 1
                 self._partial.setdefault(item.group, []).append(item)
                 if len(self._partial[item.group]) == self.backend.samples_per_group:
                     self._complete[item.group] = self._partial.pop(item.group)
-                    self._engine_of.pop(item.group, None)
+                    del self._where[item.group]
             # Admission is in whole groups, so a full engine sits up to one group below its target.
             saturated = {i: self._in_flight_by_engine[i] + self.backend.samples_per_group > self.controllers[i].target
                          for i in busy}
@@ -275,6 +338,7 @@ class FeederLoop:
                     self.state.engine_tokens[i] = self.state.engine_tokens.get(i, 0) + count
             for i, seconds in busy.items():
                 self.controllers[i].observe(tokens.get(i, 0), seconds, saturated[i])
+            self._redeal(drained.released)
             self._abandon_expired()
             self._settle_switches(busy)
         else:

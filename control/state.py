@@ -30,6 +30,7 @@ class LoopState:
     ready: set[int] = field(default_factory=set)
     switching: dict[int, float] = field(default_factory=dict)
     switch_seconds: list[tuple[int, str, float]] = field(default_factory=list)  # (engine, new role, seconds)
+    requests_moved: int = 0  # requests a flex worker switching to training gave back, resumed on another engine
     unused_group_seconds: float = 0.0  # the level of unused groups integrated over time (the feeder samples it)
     stop: bool = False
     error: BaseException | None = None  # why a loop stopped the run

@@ -136,7 +136,8 @@ class StreamingLoops:
         loop = FeederLoop(backend, self.state, StalenessGate(b.max_staleness_versions, groups, groups),
                           self.controllers, self.clock, window_s=b.drain_window_s,
                           write_min_groups=max(1, groups // 4),
-                          batch_unused_groups=self.cfg.fresh_groups_per_step())
+                          batch_unused_groups=self.cfg.fresh_groups_per_step(),
+                          move_on_switch=self.cfg.pool.in_flight == "move")
         loop.resume_at(self.start.next_group, self.start.next_chunk)
         return loop
 

@@ -112,15 +112,23 @@ class EngineWorker:
         self.engine.submit([r for r in requests if r.request_id not in running])
         return self.engine.num_unfinished()
 
-    def drain(self, window_s: float) -> Any:
-        """Step the engine for about ``window_s`` seconds; a ``Drain`` of what finished meanwhile."""
+    def drain(self, window_s: float, release: bool = False) -> Any:
+        """Step the engine for about ``window_s`` seconds; a ``Drain`` of what finished meanwhile.
+
+        ``release``: first abort every request that can resume elsewhere (a
+        multi-turn request waiting on its tool stays) and return what each
+        had generated in ``released`` (a flex worker moving to training).
+        """
+        released = []
+        if release:
+            released = self.engine.abort(getattr(self.engine, "movable_ids", self.engine.pending_ids)())
         start = time.perf_counter()
         meter = SlotMeter(self.engine, self.max_sequences)
         results = []
         while self.engine.num_unfinished() and time.perf_counter() - start < window_s:
             results.extend(meter.collect(max_steps=2))
         return Drain(results=results, seconds=time.perf_counter() - start, in_flight=self.engine.num_unfinished(),
-                     busy_slot_seconds=meter.busy_slot_seconds, incarnation=self._incarnation)
+                     busy_slot_seconds=meter.busy_slot_seconds, incarnation=self._incarnation, released=released)
 
     def run_round(self, queue: Sequence[Any], rule: Any) -> Any:
         """One length-aware round in one call (``policies.engines.run_round``): a ``RoundRun``.

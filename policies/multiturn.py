@@ -100,7 +100,10 @@ class MultiTurnEngine:
         for req in requests:
             if req.request_id in self._turns:
                 raise ValueError(f"request id {req.request_id!r} is already running")
-            self._turns[req.request_id] = _Turns(req, mask=[1] * len(req.resume_tokens))
+            mask = [1] * len(req.resume_tokens) if req.resume_mask is None else list(req.resume_mask)
+            # a request resumed from another engine: its calls so far are the tool outputs in its mask
+            calls = sum(1 for i, m in enumerate(mask) if m == 0 and (i == 0 or mask[i - 1] == 1))
+            self._turns[req.request_id] = _Turns(req, calls=calls, mask=mask)
         self.engine.submit([dataclasses.replace(r, stop=tuple(dict.fromkeys((*r.stop, self.settings.stop))))
                             for r in requests])
 
@@ -109,6 +112,11 @@ class MultiTurnEngine:
 
     def pending_ids(self) -> list[str]:
         return list(self._turns)
+
+    def movable_ids(self) -> list[str]:
+        """The requests that can be aborted and resumed elsewhere: those not waiting on a tool call (its output
+        would be lost)."""
+        return [r for r, turns in self._turns.items() if turns.waiting is None]
 
     def collect(self, max_steps: int = 1) -> list[GenResult]:
         """Resubmit requests whose tool output is back, step the engine, sort results into calls and finals."""
@@ -160,7 +168,7 @@ class MultiTurnEngine:
         turns.mask = mask
         self.engine.submit([dataclasses.replace(
             turns.request, resume_tokens=tokens, resume_logprobs=logprobs, resume_versions=versions,
-            submitted_version=res.submitted_version, stop=(self.settings.stop,))])
+            submitted_version=res.submitted_version, stop=(self.settings.stop,), resume_mask=mask)])
 
     def abort(self, request_ids: Sequence[str]) -> list[GenResult]:
         """Abort generating requests and drop waiting tool calls' requests; their partial results (masked)."""

@@ -151,6 +151,7 @@ class StreamStats:
     role_trainers: int | None = field(default=None, metadata=group("pool"))
     role_switches: int | None = field(default=None, metadata=group("pool"))
     switch_seconds: float | None = field(default=None, metadata=group("pool"))
+    requests_moved: int | None = field(default=None, metadata=group("pool"))  # given back and resumed elsewhere
 
 
 @dataclass(frozen=True)

@@ -205,10 +205,22 @@ class GenRequest:
     resume_versions: list[int] = field(default_factory=list)
     submitted_version: int | None = None  # version when first submitted (None: now)
     stop: tuple[str, ...] = ()
+    resume_mask: list[int] | None = None  # of the resumed tokens, 0 where a tool inserted them (None: all 1)
 
     def __post_init__(self) -> None:
         if not len(self.resume_tokens) == len(self.resume_logprobs) == len(self.resume_versions):
             raise ValueError(f"request {self.request_id}: resume_* lists differ in length")
+        if self.resume_mask is not None and len(self.resume_mask) != len(self.resume_tokens):
+            raise ValueError(f"request {self.request_id}: resume_mask has {len(self.resume_mask)} entries for "
+                             f"{len(self.resume_tokens)} resumed tokens")
+
+    def resumed(self, partial: GenResult) -> GenRequest:
+        """This request continued after ``partial``, what an engine had generated for it before an abort: every
+        token keeps its log-prob, version and mask."""
+        return dataclasses.replace(self, resume_tokens=list(partial.response_tokens),
+                                   resume_logprobs=list(partial.logprobs),
+                                   resume_versions=list(partial.token_versions),
+                                   submitted_version=partial.submitted_version, resume_mask=partial.loss_mask)
         if len(self.resume_tokens) >= self.max_tokens:
             raise ValueError(f"request {self.request_id}: {len(self.resume_tokens)} resumed tokens leave no "
                              f"budget of max_tokens={self.max_tokens}")
@@ -265,6 +277,9 @@ class Drain:
     in_flight: int  # requests still running
     busy_slot_seconds: float = 0.0  # sum over engine steps of (sequences decoding x step time)
     incarnation: str = ""  # which start of the engine actor answered (a restarted actor lost its requests)
+    # requests given back before the window (``EngineWorker.drain(release=True)``): what each had generated,
+    # finish reason "abort", to resume on another engine
+    released: list[GenResult] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 import ray
 
 from reflow.control.concurrency import ConcurrencyController
-from reflow.control.feeder import Drained, Finished
+from reflow.control.feeder import Drained, Finished, Released
 from reflow.control.roles import RolePool
 from reflow.control.selector import StepOutcome
 from reflow.control.state import LoopState
@@ -30,7 +30,7 @@ from reflow.policies.offpolicy import replay_weight
 from reflow.storage import queries
 from reflow.storage.metrics import StepMetrics, StepTimes, StreamStats
 from reflow.storage.replay import ReplayPolicy, ReplaySelection, select_batch
-from reflow.storage.schema import SampleId, group_stream_position, stream_tag
+from reflow.storage.schema import GenRequest, GenResult, SampleId, group_stream_position, stream_tag
 from reflow.storage.store import TRAJECTORIES, USAGE
 from reflow.tasks.context import TaskContext, context, mark_origin, step_clock, step_control_cpu, step_cpu_idle
 from reflow.tasks.rollout import requests_for, scored_records
@@ -160,6 +160,7 @@ class RayFeeder:
         self._drains: dict[Any, int] = {}  # drain in progress -> engine index
         self._window_s = 0.25
         self.tokens_by_engine = [0] * len(self.engines)
+        self._release: set[int] = set()  # engines whose next window starts by giving back their requests
 
     def submit(self, groups: Sequence[int], engine: int = 0) -> None:
         mark_origin(self.run_dir, self.ctx.clock.now())
@@ -176,7 +177,7 @@ class RayFeeder:
         busy = set(self._drains.values())
         for i, (engine, pending) in enumerate(zip(self.engines, self.pending)):
             if i not in busy and pending.requests:
-                self._drains[engine.drain.remote(window_s)] = i
+                self._drains[self._drain(i)] = i
         return self if self._drains else None
 
     def wait_drain(self, handle: Any) -> Drained:
@@ -185,20 +186,38 @@ class RayFeeder:
         ready, rest = ray.wait(refs, num_returns=1)
         if rest:
             ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
-        finished, busy, in_flight = [], {}, 0
+        finished, busy, in_flight, released = [], {}, 0, []
         for ref in ready:
             i = self._drains.pop(ref)
             drain = self.pending[i].drained(ray.get(ref))
             if drain.in_flight and self.keep_going():  # the next window first, then the bookkeeping
-                self._drains[self.engines[i].drain.remote(self._window_s)] = i
+                self._drains[self._drain(i)] = i
             items = [Finished(group_of(r.request_id), r, len(r.response_tokens), i) for r in drain.results]
+            released += [Released(group_of(r.request_id), self._resumed(i, r), i) for r in drain.released]
+            self.pending[i].forget([r.request_id for r in drain.released])
             self.tokens_by_engine[i] += sum(f.tokens for f in items)
             finished += items
             busy[i] = drain.seconds
             in_flight += drain.in_flight
         # Busy seconds are averaged over the engines, so tokens / busy is the pool's throughput.
         return Drained(finished=finished, busy_s=sum(busy.values()) / len(self.engines), in_flight=in_flight,
-                       busy_by_engine=busy)
+                       busy_by_engine=busy, released=released)
+
+    def _drain(self, i: int) -> Any:
+        """Start engine ``i``'s next window (giving back its requests first when ``release`` asked it to)."""
+        release = i in self._release
+        self._release.discard(i)
+        return self.engines[i].drain.remote(self._window_s, release=release)
+
+    def _resumed(self, i: int, partial: GenResult) -> GenRequest:
+        """The request engine ``i`` gave back, continuing after what it had generated."""
+        return self.pending[i].requests[partial.request_id].resumed(partial)
+
+    def release(self, engine: int) -> None:
+        self._release.add(engine)
+
+    def resubmit(self, requests: Sequence[Any], engine: int) -> None:
+        self.pending[engine].submit(requests)
 
     def write(self, chunk: int, groups: dict[int, list[Finished]]) -> None:
         results = [f.result for g in sorted(groups) for f in groups[g]]
@@ -379,4 +398,4 @@ class RaySelector:
                 out.writelines(json.dumps(line) + "\n" for line in lines)
         f = self.pool.figures(finished)
         return {"role_generators": f.generators, "role_trainers": f.trainers, "role_switches": f.switches,
-                "switch_seconds": f.switch_seconds}
+                "switch_seconds": f.switch_seconds, "requests_moved": self.state.requests_moved}

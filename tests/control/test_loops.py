@@ -10,7 +10,7 @@ import pytest
 
 from reflow.control.clock import VirtualClock
 from reflow.control.concurrency import ConcurrencyController
-from reflow.control.feeder import Drained, FeederLoop, Finished
+from reflow.control.feeder import Drained, FeederLoop, Finished, Released
 from reflow.control.gate import StalenessGate
 from reflow.control.roles import RolePool, RoleScheduler
 from reflow.control.selector import SelectorLoop, StepOutcome
@@ -563,11 +563,11 @@ def test_abandoned_groups_free_their_own_engine() -> None:
 
 def test_a_flex_worker_moved_to_training_finishes_its_requests_then_is_ready_and_comes_back() -> None:
     """Engine 1 is a flex worker: the scheduler moves it to training when the buffer runs over its band; it gets
-    no new group, its requests finish where they run, then it is ready (the switch timed); moved back to
-    generation it is dealt groups again, and no group is lost or dealt twice."""
+    no new group, its requests finish where they run (``pool.in_flight = "finish"``), then it is ready (the
+    switch timed); moved back to generation it is dealt groups again, and no group is lost or dealt twice."""
     engines, state, clock = TwoEngines(), LoopState(), VirtualClock()
     controllers = [ConcurrencyController(8, 8, 8, 4), ConcurrencyController(8, 8, 8, 4)]
-    feeder = FeederLoop(engines, state, StalenessGate(1000, 1000, 1000), controllers, clock)
+    feeder = FeederLoop(engines, state, StalenessGate(1000, 1000, 1000), controllers, clock, move_on_switch=False)
     scheduler = RoleScheduler(["generate"], clock, low=0.5, high=1.5, dwell_s=5.0)
     pool = RolePool(scheduler, state, flex=[1], batch_groups=2, window_s=1.0, switch_estimate_s=0.0)
     for _ in range(3):
@@ -613,3 +613,82 @@ def test_a_flex_worker_moved_to_training_finishes_its_requests_then_is_ready_and
     assert figures.switch_seconds == (state.switch_seconds[0][2] + state.switch_seconds[1][2]) / 2
     every = engines.dealt[0] + engines.dealt[1]
     assert len(every) == len(set(every))  # no group dealt twice
+
+
+class GivingBack(TwoEngines):
+    """TwoEngines whose engines give back what they hold when asked (``release``): each request with the tokens it
+    generated so far, one per window it ran, stamped with the engine's version."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.releasing: set[int] = set()
+        self.tokens: dict[str, list[int]] = {}  # request id -> versions of its tokens so far
+        self.finished_ids: Counter[str] = Counter()
+        self.version = 0
+
+    def release(self, engine: int) -> None:
+        self.releasing.add(engine)
+
+    def resubmit(self, requests, engine: int) -> None:
+        self.held[engine] += [rid for rid, _ in requests]
+        for rid, versions in requests:
+            assert self.tokens[rid] == versions, "a moved request lost or changed its tokens"
+
+    def wait_drain(self, handle) -> Drained:
+        released = []
+        for engine in sorted(self.releasing):
+            released += [Released(int(rid.split("/")[0][1:]), (rid, list(self.tokens.get(rid, []))), engine)
+                         for rid in self.held[engine]]
+            self.held[engine] = []
+        self.releasing.clear()
+        finished = []
+        for engine, held in self.held.items():
+            for rid in held:
+                self.tokens.setdefault(rid, []).append(self.version)
+            count = (len(held) + 1) // 2  # half of what it holds finishes (at least one)
+            done, self.held[engine] = held[:count], held[count:]
+            self.finished_ids.update(done)
+            finished += [Finished(int(rid.split("/")[0][1:]), GenResult(rid, [5] * len(self.tokens[rid]),
+                                  [-0.1] * len(self.tokens[rid]), "stop", self.tokens[rid], 0),
+                                  len(self.tokens[rid]), engine) for rid in done]
+        return Drained(finished, busy_s=1.0, in_flight=len(self.held[0]) + len(self.held[1]),
+                       busy_by_engine={0: 1.0, 1: 1.0}, released=released)
+
+
+def test_a_flex_worker_moved_to_training_gives_back_its_requests_and_is_ready_a_window_later() -> None:
+    """``pool.in_flight = "move"``: the worker's requests go, with their tokens, to the generating engine, and it
+    is ready once they are off it (not after its longest one); every request finishes exactly once."""
+    engines, state, clock = GivingBack(), LoopState(), VirtualClock()
+    controllers = [ConcurrencyController(8, 8, 8, 4), ConcurrencyController(12, 12, 12, 4)]
+    feeder = FeederLoop(engines, state, StalenessGate(1000, 1000, 1000), controllers, clock, max_groups=12)
+    complete: list[int] = []
+    engines.write = lambda chunk, groups: complete.extend(groups)  # type: ignore[method-assign]
+    state.roles[1] = "generate"
+    feeder.run_once()
+    assert len(engines.held[1]) == 12, "the flex engine got its share"
+    with state.cond:  # the scheduler's decision (control.roles.RolePool.tick)
+        state.roles[1] = "train"
+        state.switching[1] = clock.now()
+    clock.advance(1.0)
+    feeder.run_once()  # its window ends: the feeder asks it to give back what still runs
+    assert engines.releasing == {1} and pool_ready(state) == set()
+    moving = list(engines.held[1])
+    clock.advance(1.0)
+    feeder.run_once()  # given back and re-dealt to engine 0, even above its target; the worker is ready
+    assert engines.held[1] == [] and set(moving) <= set(engines.held[0])
+    assert pool_ready(state) == {1} and state.requests_moved == len(moving) > 0
+    assert state.switch_seconds == [(1, "train", 2.0)]
+    assert feeder._in_flight_by_engine == [len(engines.held[0]), 0]
+    while feeder._in_flight:
+        clock.advance(1.0)
+        feeder.run_once()
+        assert not engines.held[1], "nothing dealt to a worker set to train"
+    feeder._flush(force=True)
+    assert sorted(complete) == sorted(set(engines.dealt[0] + engines.dealt[1])), "a group lost or written twice"
+    assert feeder._where == {} and feeder._in_flight_by_engine == [0, 0]
+    assert set(engines.finished_ids.values()) == {1} and len(engines.finished_ids) == 12 * 4
+
+
+def pool_ready(state: LoopState) -> set[int]:
+    with state.cond:
+        return set(state.ready)

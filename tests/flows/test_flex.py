@@ -54,6 +54,9 @@ def test_a_flex_worker_switches_both_ways_and_loses_nothing(tmp_path: Path, refl
     # the flex worker computed a share of some steps (samples with a gradient) and generated in others
     assert any(m["helpers"] == 1 and m["helper_samples"] > 0 for m in steps), steps
     assert any(m["helpers"] == 0 for m in steps)
+    # pool.in_flight = "move": what the worker held as it moved to training was resumed on the engine
+    print("requests moved:", steps[-1]["requests_moved"])
+    assert all(m["requests_moved"] >= 0 for m in steps)
 
     # nothing lost or doubled: each trajectory once, whole groups, every step a full batch of them
     rows = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table().to_pylist()

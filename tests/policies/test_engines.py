@@ -119,8 +119,7 @@ VLLM_SCRIPT = textwrap.dedent('''
         early = eng.collect(max_steps=3)
         partial = eng.abort(eng.pending_ids())
         eng.update_weights(state, version=7)
-        fourth = generate_all(eng, [GenRequest(p.request_id, [10 + int(p.request_id[1:]), 11, 12], 12,
-                                               p.response_tokens, p.logprobs, p.token_versions, p.submitted_version)
+        fourth = generate_all(eng, [GenRequest(p.request_id, [10 + int(p.request_id[1:]), 11, 12], 12).resumed(p)
                                     for p in partial if p.response_tokens])
         rows = lambda rs: [dict(r.__dict__, version=r.version) for r in rs]
         json.dump({"first": rows(first), "second": rows(second), "third": rows(third), "partial": rows(partial),

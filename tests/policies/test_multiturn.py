@@ -29,6 +29,7 @@ class ScriptedEngine:
         self.version = 0
         self.running: list[GenRequest] = []
         self.submitted: list[GenRequest] = []
+        self.paused = False  # collect steps nothing (requests stay running)
 
     def submit(self, requests: list[GenRequest]) -> None:
         self.running += requests
@@ -41,6 +42,8 @@ class ScriptedEngine:
         return [r.request_id for r in self.running]
 
     def collect(self, max_steps: int = 1) -> list[GenResult]:
+        if self.paused:
+            return []
         out = []
         for req in self.running:
             new = encode(self.turns[req.request_id].pop(0))[: req.max_tokens - len(req.resume_tokens)]
@@ -166,3 +169,31 @@ def test_abort_while_a_call_runs_returns_the_masked_partial() -> None:
 def test_result_mask_length_is_checked() -> None:
     with pytest.raises(ValueError, match="loss_mask"):
         GenResult("a", [1, 2], [0.0, 0.0], "stop", [0, 0], 0, loss_mask=[1])
+
+
+def test_a_request_moved_to_another_driver_keeps_its_mask_and_its_count_of_calls() -> None:
+    """A flex worker gives back a request after one call (``EngineWorker.drain(release=True)``); resumed on
+    another engine's driver it keeps its tool tokens masked and counts the call it made: with max_calls=1 there,
+    its next call is not run.
+    A request waiting on its tool is not movable (its output would be lost)."""
+    turns = {"a": ["<code>print(6*7)</code>", "<code>print(1)</code>"], "b": ["<code>print(2)</code>"]}
+    first, engine, calc = _driver(turns)
+    first.submit([GenRequest("a", encode("6*7="), max_tokens=96), GenRequest("b", encode("2="), max_tokens=96)])
+    calc.hold = True
+    assert first.collect() == []  # both stopped at their first call; b's output is held back
+    calc.hold = False
+    calc._done = [d for d in calc._done if d[0] == "a"]
+    engine.paused = True
+    first.collect()  # a's output is appended and a resubmitted (running); b still waits on its call
+    assert first.movable_ids() == ["a"]
+    (partial,) = first.abort(first.movable_ids())
+    n1, n2 = len(encode("<code>print(6*7)</code>")), len(encode("\n<output>42</output>\n"))
+    assert partial.loss_mask == [1] * n1 + [0] * n2
+
+    later = {"a": ["<code>print(1)</code>"]}
+    second, _, calc2 = _driver(later, max_calls=1)
+    (res,) = generate_all(second, [GenRequest("a", encode("6*7="), max_tokens=96).resumed(partial)])
+    n3 = len(encode("<code>print(1)</code>"))
+    assert res.loss_mask[: n1 + n2 + n3] == [1] * n1 + [0] * n2 + [1] * n3
+    assert res.finish_reason == "stop" and len(res.loss_mask) == n1 + n2 + n3
+    assert calc2.started == [], "the call made before the move was not counted"
