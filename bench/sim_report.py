@@ -56,6 +56,8 @@ class SimResult:
     bubble_ratio: float | None  # rounds: mean over rounds; None: streaming
     new_samples: int
     est_time_to_target_s: float | None = None  # a bench's samples to target / new_samples_per_s (module doc)
+    role_switches: int = 0  # the elastic pool's (resources.flex_workers)
+    helper_steps: int = 0  # steps a flex worker computed a share of
 
 
 def summarise(run: SimRun) -> SimResult:
@@ -74,7 +76,8 @@ def summarise(run: SimRun) -> SimResult:
         generator_idle=statistics.fmean(s.generator_idle(run.engines) for s in steps),
         staleness_mean=statistics.fmean(s.staleness_mean for s in steps),
         replay_share=statistics.fmean(s.replay_share for s in steps),
-        bubble_ratio=statistics.fmean(bubbles) if bubbles else None, new_samples=new)
+        bubble_ratio=statistics.fmean(bubbles) if bubbles else None, new_samples=new,
+        role_switches=run.switches, helper_steps=run.helper_steps)
 
 
 def with_targets(results: list[SimResult], bench: list[mode_bench.ModeResult]) -> list[SimResult]:

@@ -17,6 +17,14 @@ a Bernoulli of it; they only order replay by advantage) and learning (a
 simulator cannot learn; ``bench.sim_report`` reads time to target as the
 new samples a real run needed over the simulated rate of new samples).
 
+The elastic pool (``resources.flex_workers``, streaming modes) runs the
+real ``control.roles`` scheduler: a flex worker is one more modelled engine
+while it generates; moved to training, it gives back what it holds
+(``pool.in_flight = "move"``; resumed elsewhere by prefill) and, once
+ready, computes an equal token share of each step; the weights go to each
+helper and its gradients come back through the trainer's one link, one
+full copy after another (``sync``'s cost per copy).
+
 Where the model is coarser than a run: every engine of the pool steps in
 the same windows (a real pool's engines end their windows independently);
 the driver's work takes the profile's fixed times, not a share of a CPU
@@ -41,7 +49,7 @@ from reflow.bench.sim_profile import SimProfile
 from reflow.config.load import load_config
 from reflow.config.schema import ReflowConfig
 from reflow.control.clock import VirtualClock
-from reflow.control.feeder import Drained, Finished
+from reflow.control.feeder import Drained, Finished, Released
 from reflow.control.selector import StepOutcome
 from reflow.control.sorted_rounds import PooledRoundEngine, RoundGoal, SortedScheduler
 from reflow.control.streaming import StreamingLoops
@@ -67,6 +75,7 @@ class SimSample:
     length: int
     reward: float
     trained: bool  # its group's rewards differ (an all-equal group has zero advantage: the trainer skips it)
+    engine: int = 0  # the engine that finished it
 
 
 @dataclass
@@ -98,6 +107,8 @@ class Window:
     busy_s: float  # engine-seconds spent stepping, summed over engines
     slot_s: float  # running sequences x step seconds, summed (for the bubble)
     busy_by_engine: dict[int, float] = field(default_factory=dict)  # engine index -> its stepping seconds
+    # (engine, request) given back before the window (``EnginePool.release``), a request as ``_Engine.waiting``
+    released: list[tuple[int, tuple[int, int, int, int, int]]] = field(default_factory=list)
 
 
 class EnginePool:
@@ -110,12 +121,12 @@ class EnginePool:
         self.prompt_tokens = int(round(profile.lengths.prompt_tokens))
         self.samples, self.max_response_tokens = samples, max_response_tokens
         self.engines = [_Engine(max_sequences) for _ in range(engines)]
-        self.engine_of: dict[int, int] = {}  # group -> the engine it was given to
         self.rewards: dict[int, np.ndarray] = {}
         self.lengths_of: dict[int, np.ndarray] = {}
         self.pushed: list[tuple[float, int]] = []  # (arrival time, version) of weights on their way
         self.training: list[tuple[float, float]] = []  # the trainer's compute intervals (engine slowdown)
         self.streaming = profile.engine.streaming(mode) if mode in STREAMING else 1.0
+        self.releasing: set[int] = set()  # engines to give back what they hold before their next window
 
     def submit(self, groups: Sequence[int], spread: str = "least_loaded", to: int | None = None) -> None:
         """Whole groups: to engine ``to`` (the streaming feeder deals them), else each to the engine with the
@@ -125,7 +136,6 @@ class EnginePool:
                      min(range(len(self.engines)), key=lambda j: self.engines[j].requests)
                      if spread == "least_loaded" else i % len(self.engines))
             engine = self.engines[index]
-            self.engine_of[g] = index
             engine.waiting += [(g, k, int(n), 0, -1) for k, n in enumerate(self.group_lengths(g))]
 
     def group_lengths(self, g: int) -> np.ndarray:
@@ -142,6 +152,23 @@ class EnginePool:
             e.ids = [e.ids[i] for i in keep]
             e.remaining, e.context, e.first = e.remaining[keep], e.context[keep], e.first[keep]
             e.waiting = [w for w in e.waiting if w[0] not in drop]
+
+    def release(self, index: int) -> None:
+        self.releasing.add(index)
+
+    def resubmit(self, requests: Sequence[tuple[int, int, int, int, int]], to: int) -> None:
+        """Requests another engine gave back: queued on engine ``to``, to prefill prompt and prefix again."""
+        self.engines[to].waiting += list(requests)
+
+    def _give_back(self, index: int) -> list[tuple[int, tuple[int, int, int, int, int]]]:
+        """Everything engine ``index`` holds, as waiting requests (running ones with what they generated)."""
+        e = self.engines[index]
+        running = [(g, k, int(e.remaining[i]), int(e.context[i]) - self.prompt_tokens, int(e.first[i]))
+                   for i, (g, k) in enumerate(e.ids)]
+        out = [(index, r) for r in running + e.waiting]
+        e.ids, e.waiting = [], []
+        e.remaining, e.context, e.first = e.remaining[:0], e.context[:0], e.first[:0]
+        return out
 
     def push(self, version: int, arrives: float) -> None:
         self.pushed.append((arrives, version))
@@ -162,6 +189,8 @@ class EnginePool:
         finished: list[SimSample] = []
         end, busy, slots = start, 0.0, 0.0
         by_engine: dict[int, float] = {}
+        released = [item for index in sorted(self.releasing) for item in self._give_back(index)]
+        self.releasing.clear()
         for index, e in enumerate(self.engines):
             t = start
             arrived = [v for at, v in self.pushed if at <= start and v > e.version]
@@ -173,13 +202,13 @@ class EnginePool:
             began = t  # the window starts once the load is done (a separate call on the engine actor)
             while e.requests and t - began < window_s:
                 prefill = self._admit(e)
-                t, s = self._run(e, t, began + window_s, prefill, finished)
+                t, s = self._run(e, index, t, began + window_s, prefill, finished)
                 slots += s
             busy += t - began
             by_engine[index] = t - began
             end = max(end, t)
         self.pushed = [(at, v) for at, v in self.pushed if v > min(e.version for e in self.engines)]
-        return Window(end, finished, busy, slots, by_engine)
+        return Window(end, finished, busy, slots, by_engine, released)
 
     def _admit(self, e: _Engine) -> int:
         """Fill free slots from the waiting requests; their prompt tokens are prefilled in the next step."""
@@ -194,7 +223,8 @@ class EnginePool:
         e.first = np.concatenate([e.first, np.asarray([first for *_, first in new], np.int64)])
         return int(sum(context))  # a resumed partial prefills its prefix again (its KV cache went with the weights)
 
-    def _run(self, e: _Engine, t: float, until: float, prefill: int, out: list[SimSample]) -> tuple[float, float]:
+    def _run(self, e: _Engine, index: int, t: float, until: float, prefill: int,
+             out: list[SimSample]) -> tuple[float, float]:
         """Steps until the next response finishes or ``until`` passes; (time after, slot-seconds)."""
         n = len(e.ids)
         horizon = int(e.remaining.min())
@@ -218,7 +248,7 @@ class EnginePool:
                 length = int(e.context[i]) - self.prompt_tokens
                 rewards = self.rewards[g]
                 out.append(SimSample(f"g{g}/{k}", g, k, int(e.first[i]), length, float(rewards[k]),
-                                     bool(rewards.min() != rewards.max())))
+                                     bool(rewards.min() != rewards.max()), index))
             keep = np.flatnonzero(e.remaining > 0)
             e.ids = [e.ids[i] for i in keep]
             e.remaining, e.context, e.first = e.remaining[keep], e.context[keep], e.first[keep]
@@ -237,7 +267,7 @@ class _RoundOnEngine:
     """
 
     def __init__(self, pool: EnginePool, index: int) -> None:
-        self.pool, self.engine = pool, pool.engines[index]
+        self.pool, self.index, self.engine = pool, index, pool.engines[index]
         self.max_sequences = self.engine.max_sequences
         self.start = 0.0
         self.busy = 0.0  # stepping seconds of the last round
@@ -255,7 +285,7 @@ class _RoundOnEngine:
             prefill = pool._admit(e)
             started += waiting - len(e.waiting)
             out: list[SimSample] = []
-            t, busy = pool._run(e, t, math.inf, prefill, out)
+            t, busy = pool._run(e, self.index, t, math.inf, prefill, out)
             slots += busy
             for sample in out:
                 result = _result(sample.group, sample.sample, sample.length, sample.version, e.version, "stop")
@@ -348,6 +378,8 @@ class SimRun:
     steps: list[SimStep]
     origin: float = 0.0  # virtual time of the first submit
     windows: int = 0  # streaming: drain windows started
+    switches: int = 0  # the elastic pool's role switches
+    helper_steps: int = 0  # steps a flex worker computed a share of
 
 
 class _Feeder:
@@ -367,9 +399,16 @@ class _Feeder:
 
     def wait_drain(self, handle: Window) -> Drained:
         self.sched.wait_until(handle.end)
-        items = [Finished(s.group, s, s.length, self.pool.engine_of[s.group]) for s in handle.finished]
+        items = [Finished(s.group, s, s.length, s.engine) for s in handle.finished]
+        released = [Released(request[0], request, engine) for engine, request in handle.released]
         return Drained(items, busy_s=handle.busy_s, in_flight=self.pool.in_flight,
-                       busy_by_engine=handle.busy_by_engine)
+                       busy_by_engine=handle.busy_by_engine, released=released)
+
+    def release(self, engine: int) -> None:
+        self.pool.release(engine)
+
+    def resubmit(self, requests: Sequence[tuple[int, int, int, int, int]], engine: int) -> None:
+        self.pool.resubmit(requests, engine)
 
     def write(self, chunk: int, groups: dict[int, list[Finished]]) -> None:
         samples = [f.result for g in sorted(groups) for f in groups[g]]
@@ -422,13 +461,24 @@ class _Selector:
     def start_train(self, step: int, selection: ReplaySelection) -> _Update:
         self.buffer.record_usage(selection)
         tokens = sum(self.buffer.tokens[t] for t in selection.trajectory_ids)
+        # flex workers ready to train take an equal token share; each loads the weights and returns gradients
+        helpers = len(self.loops.pool.ready()) if self.loops.pool is not None else 0
+        share = math.ceil(tokens / (1 + helpers))
         # the engines generate all along in the streaming modes: the step shares the machine with them
-        seconds = self.profile.trainer.step_s(tokens, self.cfg.resources.trainer_ranks) \
-            * self.profile.trainer.slowdown(self.cfg.mode.kind)
+        seconds = self.profile.trainer.step_s(share, self.cfg.resources.trainer_ranks) \
+            * self.profile.trainer.slowdown(self.cfg.mode.kind) + self._helper_transfer_s(helpers)
+        self.run.helper_steps += helpers > 0
         begin = max(self.sched.now(), self.trainer_free) + self.profile.trainer.overhead_s
         self.trainer_free = begin + seconds
         self.pool.training.append((begin, self.trainer_free))
         return _Update(step, selection, self.trainer_free, seconds, tokens)
+
+    def _helper_transfer_s(self, helpers: int) -> float:
+        """The weights to ``helpers`` flex workers and their gradients back, each a full copy through the
+        trainer's one link (``sync``'s cost per copy, one after the other: ``policies.trainer`` adds the
+        helpers' gradients on rank 0)."""
+        sync = self.profile.sync
+        return 2 * (sync.fixed_s + helpers * sync.bytes / sync.bytes_per_s) if helpers else 0.0
 
     def finish_train(self, handle: _Update, timeout: float | None) -> StepOutcome | None:
         self.sched.wait_until(handle.end if timeout is None else min(handle.end, self.sched.now() + timeout))
@@ -466,7 +516,7 @@ class _Selector:
 
 def _streaming(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Callable[[int], None]) -> SimRun:
     sched = SimScheduler()
-    engines = cfg.resources.engines
+    engines = cfg.resources.engines + cfg.resources.flex_workers  # the flex workers after the main engines
     run = SimRun(cfg.mode.kind, seed, engines, cfg.resources.trainer_ranks, [])
     pool = EnginePool(profile, engines, cfg.rollout.max_concurrent_sequences, cfg.rollout.samples_per_prompt,
                       np.random.default_rng(seed), cfg.rollout.max_response_tokens, cfg.mode.kind, seed)
@@ -488,6 +538,8 @@ def _streaming(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Call
 
     sched.run(main)
     run.windows = feed.windows
+    if loops.pool is not None:
+        run.switches = loops.pool.scheduler.switches
     if loops.state.error is not None:
         raise RuntimeError(f"{cfg.mode.kind}: the simulated feeder failed") from loops.state.error
     return run
@@ -623,4 +675,10 @@ def simulate(cfg: ReflowConfig, profile: SimProfile, seed: int,
         raise ValueError(f"simulate: mode {cfg.mode.kind!r} is not simulated (choose from {', '.join(MODES)})")
     if cfg.rollout.scheduling != "plain" and cfg.mode.kind != "sync":
         raise ValueError(f"simulate: SortedRL rounds are simulated in mode sync only, not {cfg.mode.kind!r}")
+    if cfg.resources.elastic_engines:
+        raise ValueError("simulate: resources.elastic_engines (an engine at the lowest OS priority) is not modelled; "
+                         "set it to 0")
+    if cfg.resources.flex_workers and cfg.mode.kind not in STREAMING:
+        raise ValueError(f"simulate: flex workers are simulated in the streaming modes only (async, reflow), not "
+                         f"{cfg.mode.kind!r}")
     return (_streaming if cfg.mode.kind in STREAMING else _rounds)(cfg, profile, seed, progress)

@@ -354,7 +354,9 @@ class ResourcesConfig(_Section):
                                  "run at the lowest OS priority (nice 19, below Ray's workers at 15) on the "
                                  "cycles the trainer and the control plane leave, so they generate while the "
                                  "trainer waits and mostly yield while it trains (ReFlow's elastic role, on one "
-                                 "machine). Plain rounds, async and reflow use them; sorted rounds do not.")
+                                 "machine). Plain rounds, async and reflow use them; sorted rounds do not. "
+                                 "Deprecated: flex_workers do its job on any device (docs/benchmark.md "
+                                 "\"The elastic pool on two shared cores\"); it will be removed.")
     flex_workers: int = Field(0, ge=0, le=64, description="The elastic pool: actors that hold the model once as "
                               "an engine and once as a trainer module, and either generate or compute gradients "
                               "for the trainer's step (the optimiser state stays with the trainer; each reserves "

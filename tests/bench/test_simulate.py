@@ -406,3 +406,33 @@ def test_the_cpu_profile_reproduces_the_stored_bench(tmp_path, capsys) -> None:
             assert r["error"] <= 0.15 or r["points"] <= (0.045 if r["seed"] == 0 else 0.06), label
         else:
             assert r["error"] <= (0.15 if r["seed"] == 0 else 0.35), label
+
+
+@pytest.mark.parametrize("bottleneck", ["trainer", "engines"])
+def test_the_elastic_pool_moves_its_worker_to_the_slow_stage_and_gains_samples(bottleneck: str) -> None:
+    """Two engines and one flex worker under the real ``control.roles`` scheduler. Trainer-bound, the worker
+    starts generating, moves to training and computes shares of steps; engine-bound, it starts training and
+    moves to generation. Either way it makes new samples faster than a worker held in its first role."""
+    if bottleneck == "trainer":
+        prof, first = profile([[5, 6, 5, 4]], [[1, 0, 1, 0]], base=0.002, token_s=0.004, trainer_base=0.02), "generate"
+    else:
+        prof, first = profile([[60, 80, 70, 90]], [[1, 0, 1, 0]], base=0.01, token_s=1e-5), "train"
+    sets = {"resources.engines": "2", "resources.flex_workers": "1", "resources.flex_cpus": "0",
+            "pool.window_s": "0.5", "pool.switch_estimate_s": "0", "pool.initial_role": f'"{first}"',
+            "run.total_steps": "40"}
+    pooled = simulate(small("async", **sets, **{"pool.dwell_s": "1"}), prof, 0)
+    held = simulate(small("async", **sets, **{"pool.dwell_s": "80000"}), prof, 0)
+    assert held.switches == 0 and pooled.switches >= 1
+    if bottleneck == "trainer":
+        assert pooled.helper_steps > 0 and held.helper_steps == 0
+    else:  # held in training, the worker computed shares all along; moved, it stopped
+        assert held.helper_steps == len(held.steps) > pooled.helper_steps
+    assert summarise(pooled).new_samples_per_s > 1.1 * summarise(held).new_samples_per_s
+
+
+def test_elastic_engines_and_flex_workers_outside_the_streaming_modes_are_refused() -> None:
+    prof = profile()
+    with pytest.raises(ValueError, match="elastic_engines"):
+        simulate(small("async", **{"resources.elastic_engines": "1"}), prof, 0)
+    with pytest.raises(ValueError, match="streaming modes only"):
+        simulate(small("sync", **{"resources.flex_workers": "1"}), prof, 0)

@@ -42,6 +42,7 @@ def test_elastic_engine_runs_at_lowest_priority_and_generates(tmp_path: Path, re
     main, elastic = sorted(os.getpriority(os.PRIO_PROCESS, pid) for pid in pids)
     assert elastic == 19 and main < 19
     assert run.finish() == 0, run.output()
+    assert "resources.elastic_engines is deprecated" in run.output(tail=None)  # flex workers replace it
 
     (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
     cfg = json.loads((run_dir / "config.json").read_text())
