@@ -213,6 +213,9 @@ class GenRequest:
         if self.resume_mask is not None and len(self.resume_mask) != len(self.resume_tokens):
             raise ValueError(f"request {self.request_id}: resume_mask has {len(self.resume_mask)} entries for "
                              f"{len(self.resume_tokens)} resumed tokens")
+        if len(self.resume_tokens) >= self.max_tokens:
+            raise ValueError(f"request {self.request_id}: {len(self.resume_tokens)} resumed tokens leave no "
+                             f"budget of max_tokens={self.max_tokens}")
 
     def resumed(self, partial: GenResult) -> GenRequest:
         """This request continued after ``partial``, what an engine had generated for it before an abort: every
@@ -221,9 +224,6 @@ class GenRequest:
                                    resume_logprobs=list(partial.logprobs),
                                    resume_versions=list(partial.token_versions),
                                    submitted_version=partial.submitted_version, resume_mask=partial.loss_mask)
-        if len(self.resume_tokens) >= self.max_tokens:
-            raise ValueError(f"request {self.request_id}: {len(self.resume_tokens)} resumed tokens leave no "
-                             f"budget of max_tokens={self.max_tokens}")
 
 
 @dataclass(frozen=True)
