@@ -211,6 +211,7 @@ class FeederLoop:
                     self._releasing.discard(i)
                     self.state.ready.add(i)
                 elif self.state.roles.get(i) == "generate" and i in busy:
+                    self._releasing.discard(i)  # a later move to training asks it to give back again
                     now -= busy[i]
                 else:
                     continue

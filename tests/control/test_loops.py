@@ -692,3 +692,28 @@ def test_a_flex_worker_moved_to_training_gives_back_its_requests_and_is_ready_a_
 def pool_ready(state: LoopState) -> set[int]:
     with state.cond:
         return set(state.ready)
+
+
+def test_a_worker_sent_back_to_generation_before_it_gave_back_is_asked_again_on_its_next_move() -> None:
+    engines, state, clock = GivingBack(), LoopState(), VirtualClock()
+    controllers = [ConcurrencyController(8, 8, 8, 4), ConcurrencyController(12, 12, 12, 4)]
+    feeder = FeederLoop(engines, state, StalenessGate(1000, 1000, 1000), controllers, clock, max_groups=40)
+    state.roles[1] = "generate"
+    feeder.run_once()
+
+    def move(role: str) -> None:
+        with state.cond:
+            state.roles[1] = role
+            state.switching[1] = clock.now()
+        clock.advance(1.0)
+
+    move("train")
+    feeder.run_once()  # asked to give back
+    assert engines.releasing == {1}
+    engines.releasing.clear()  # the release never reached the engine
+    move("generate")
+    feeder.run_once()  # back to generation: settled, dealt new groups
+    assert 1 not in state.switching and engines.held[1]
+    move("train")
+    feeder.run_once()
+    assert engines.releasing == {1}, "the second move to training did not ask the worker to give back"
