@@ -675,9 +675,6 @@ def simulate(cfg: ReflowConfig, profile: SimProfile, seed: int,
         raise ValueError(f"simulate: mode {cfg.mode.kind!r} is not simulated (choose from {', '.join(MODES)})")
     if cfg.rollout.scheduling != "plain" and cfg.mode.kind != "sync":
         raise ValueError(f"simulate: SortedRL rounds are simulated in mode sync only, not {cfg.mode.kind!r}")
-    if cfg.resources.elastic_engines:
-        raise ValueError("simulate: resources.elastic_engines (an engine at the lowest OS priority) is not modelled; "
-                         "set it to 0")
     if cfg.resources.flex_workers and cfg.mode.kind not in STREAMING:
         raise ValueError(f"simulate: flex workers are simulated in the streaming modes only (async, reflow), not "
                          f"{cfg.mode.kind!r}")

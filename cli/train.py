@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from reflow.cli.runtime import preflight, quiet_environment, start_prefect_api
@@ -25,9 +24,6 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise InputError(f"{run_dir}: unreadable config.json or run.json: {exc}") from None
     quiet_environment(args.verbose)
     print(f"reflow resume {run_id}: mode={cfg.mode.kind} steps={cfg.run.total_steps}", flush=True)
-    if cfg.resources.elastic_engines:
-        print("warning: resources.elastic_engines is deprecated and will be removed: resources.flex_workers does "
-              "its job on any device (an engine that can also train; docs/concepts.md)", file=sys.stderr, flush=True)
     start_prefect_api()
     from reflow.flows.rl_train import rl_train  # Prefect (about 2 s) only when a command runs a flow
 
@@ -65,9 +61,6 @@ def launch(cfg: ReflowConfig):
     budget = f" (or until {cfg.run.max_new_groups} new groups)" if cfg.run.max_new_groups else ""
     print(f"reflow run {run_id}: mode={cfg.mode.kind} engine={cfg.rollout.engine} steps={cfg.planned_steps()}{budget} "
           f"prompts/step={cfg.rollout.prompts_per_step} samples/prompt={cfg.rollout.samples_per_prompt}", flush=True)
-    if cfg.resources.elastic_engines:
-        print("warning: resources.elastic_engines is deprecated and will be removed: resources.flex_workers does "
-              "its job on any device (an engine that can also train; docs/concepts.md)", file=sys.stderr, flush=True)
     start_prefect_api()
     from reflow.flows.rl_train import rl_train  # Prefect (about 2 s) only when a command runs a flow
 

@@ -15,6 +15,12 @@ from pydantic import ValidationError
 
 from reflow.config.schema import ReflowConfig
 
+# Fields a config may still carry from an older reflow, and what replaced them.
+RETIRED = {
+    "resources.elastic_engines": "removed: resources.flex_workers does its job on any device (docs/concepts.md, "
+                                 "\"The elastic pool\")",
+}
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the field."""
@@ -55,7 +61,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
         path = ".".join(str(p) for p in item["loc"])
         msg = item["msg"].removeprefix("Value error, ")  # our validators' messages, without pydantic's label
         if item["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; every field: docs/configuration.md or `reflow config`)"
+            msg = RETIRED.get(path, "unknown field (check the spelling; every field: docs/configuration.md or "
+                                    "`reflow config`)")
         given = item.get("input")
         shown = "" if isinstance(given, dict) or item["type"] == "missing" else f" (got {given!r})"
         lines.append(f"  {path}: {msg}{shown}" if path else f"  {msg}")  # a cross-field check names its fields

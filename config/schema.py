@@ -177,6 +177,10 @@ class RolloutConfig(_Section):
     max_concurrent_sequences: int = Field(256, ge=1, le=65_536, description="Engine's max running sequences.")
     kv_cache_gib: int = Field(1, ge=1, le=1024, description="vLLM CPU KV-cache size in GiB "
                                                          "(VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1.0, description="vLLM on a GPU: the share of the "
+                                          "engine's GPU it takes for weights and KV cache (vLLM's "
+                                          "gpu_memory_utilization; the CPU build ignores it). Flex workers use "
+                                          "pool.gpu_memory_utilization.")
     scheduling: Literal["plain", "sorted_on_policy", "sorted_partial"] = Field(
         "plain", description="Length-aware rounds (SortedRL; mode sync): 'plain' generates exactly one batch per "
         "round; 'sorted_on_policy' oversubscribes the engine, ends the round once one batch of groups is done, "
@@ -350,13 +354,6 @@ class ResourcesConfig(_Section):
     engine_placement: Literal["spread", "pack"] = Field("spread", description="How the engines' placement group "
                                                         "lays them over the cluster's nodes when engines > 1: "
                                                         "spread (one per node where possible) or pack.")
-    elastic_engines: int = Field(0, ge=0, le=64, description="Extra engine actors that reserve no CPU: they "
-                                 "run at the lowest OS priority (nice 19, below Ray's workers at 15) on the "
-                                 "cycles the trainer and the control plane leave, so they generate while the "
-                                 "trainer waits and mostly yield while it trains (ReFlow's elastic role, on one "
-                                 "machine). Plain rounds, async and reflow use them; sorted rounds do not. "
-                                 "Deprecated: flex_workers do its job on any device (docs/benchmark.md "
-                                 "\"The elastic pool on two shared cores\"); it will be removed.")
     flex_workers: int = Field(0, ge=0, le=64, description="The elastic pool: actors that hold the model once as "
                               "an engine and once as a trainer module, and either generate or compute gradients "
                               "for the trainer's step (the optimiser state stays with the trainer; each reserves "
@@ -389,13 +386,13 @@ class ResourcesConfig(_Section):
 
     @property
     def engine_actors(self) -> int:
-        """Every actor that generates: the main engines, the elastic ones, the flex workers (in that order)."""
-        return self.engines + self.elastic_engines + self.flex_workers
+        """Every actor that generates: the engines, then the flex workers."""
+        return self.engines + self.flex_workers
 
     @property
     def flex_indices(self) -> range:
         """Positions of the flex workers among the engine actors (``engine_actors``)."""
-        return range(self.engines + self.elastic_engines, self.engine_actors)
+        return range(self.engines, self.engine_actors)
 
 
 class PoolConfig(_Section):
@@ -417,6 +414,10 @@ class PoolConfig(_Section):
                                                  "keep their versions and log-probs; the prompt and partial "
                                                  "response are prefilled again); finish: runs them to their end "
                                                  "first (the switch waits for its longest request).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1.0, description="vLLM on a GPU: the share of its GPU a "
+                                          "flex worker's engine takes; the rest holds its trainer module (verl's "
+                                          "colocated rollout defaults to 0.5). The engine sleeps (vLLM's sleep "
+                                          "mode, level 1) while the worker trains.")
     initial_role: Literal["generate", "train"] = Field("generate", description="Every flex worker's role at the "
                                                        "start.")
     policy: Literal["stage_speed", "alternate"] = Field("stage_speed", description="stage_speed: the band rule "
@@ -514,9 +515,6 @@ class ReflowConfig(_Section):
                 raise ValueError(f"rollout.scheduling={r.scheduling!r} needs mode.kind='sync' (the streaming modes "
                                  "already resume partial responses across updates: use 'sorted_partial' or 'plain' "
                                  "there)")
-        if self.resources.elastic_engines and r.scheduling != "plain" and self.mode.kind == "sync":
-            raise ValueError(f"resources.elastic_engines > 0 needs rollout.scheduling='plain' in mode 'sync' (a "
-                             f"sorted round runs on the main engines only; got {r.scheduling!r})")
         res, pool = self.resources, self.pool
         if res.flex_workers and res.trainer_ranks > 1:
             raise ValueError(f"resources.flex_workers > 0 needs resources.trainer_ranks = 1 (a flex worker adds its "

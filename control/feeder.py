@@ -2,7 +2,7 @@
 
 It keeps the engines filled with whole GRPO groups up to the concurrency
 target (``control.concurrency``: one controller per engine, each judging its
-own engine's windows, so a slower or busier engine, such as an elastic one,
+own engine's windows, so a slower or busier engine, such as a flex worker,
 gets its own target) and the staleness gate (``control.gate``),
 steps them in short drain windows, and appends each group to the
 ``trajectories`` table as soon as all its samples are finished. Scoring and

@@ -60,21 +60,13 @@ class EngineWorker:
     initial ones. Each start has its own ``incarnation``: callers that
     submitted requests to an earlier one re-submit those still unfinished.
 
-    With ``nice`` (``ELASTIC_NICE`` for ``resources.elastic_engines``) the
-    process sets its own priority to that first, below the other workers
-    (Ray starts them at nice 15), so it generates mostly on spare cycles:
-    on a core the trainer also wants it gets about 30% (scheduler weights
-    15 against 36).
-
     With ``tools`` (``policies.multiturn.ToolSettings``) and ``tool_fn`` (what one
     tool call runs, e.g. ``envs.tools.run_tool_call``) the engine is wrapped in
     a ``MultiTurnEngine``: tool calls run as Ray tasks while generation goes on.
     """
 
     def __init__(self, kind: str, settings: Any, version: int = 0, trainer: str | None = None,
-                 tools: Any = None, tool_fn: Any = None, nice: int = 0) -> None:
-        if nice:  # an elastic engine: below every other worker (Ray starts them at nice 15), driver and server
-            os.nice(nice - os.getpriority(os.PRIO_PROCESS, 0))
+                 tools: Any = None, tool_fn: Any = None) -> None:
         torch.set_num_threads(settings.threads)
         self._incarnation = uuid.uuid4().hex
         if trainer is not None and _restarted():
@@ -189,6 +181,12 @@ class FlexWorker(EngineWorker):
     to generate it takes requests again (its engine received every weight push
     meanwhile). Which role it plays is the scheduler's (``control.roles``), not
     the actor's: it answers whatever call comes, one at a time.
+
+    On a GPU its vLLM engine starts with sleep mode and a share of the GPU
+    (``pool.gpu_memory_utilization``); before the first share of a training
+    spell the engine sleeps (``VLLMEngine.rest``: weights to host memory, KV
+    cache freed, so the trainer module has the memory), and the next requests
+    wake it, with the newest weights pushed meanwhile.
     """
 
     def __init__(self, kind: str, settings: Any, model_dir: str, config_json: str, version: int = 0,
@@ -200,12 +198,15 @@ class FlexWorker(EngineWorker):
             self.learner.warm_up(warm_up_tokens(cfg))
         self.shares = 0  # gradient shares computed
         self.weight_loads = 0
+        self.rests = 0  # training spells its engine slept through (GPU only)
 
     def gradients(self, samples: list[TrainSample], normaliser: float, weights_id: int,
                   weights: list[Any]) -> GradientShare:
         """Forward and backward on ``samples`` under the trainer's weights ``weights_id``; ``weights`` holds one
         reference to them (in a list, so Ray fetches them only when this worker lacks them)."""
         start = time.perf_counter()
+        if self.engine.rest():
+            self.rests += 1
         loaded = self.learner.weights_id != weights_id
         if loaded:
             self.learner.load_weights(ray.get(weights[0]), weights_id)
@@ -215,7 +216,7 @@ class FlexWorker(EngineWorker):
         return dataclasses.replace(share, seconds=time.perf_counter() - start, loaded_weights=loaded)
 
     def counters(self) -> dict[str, int]:
-        return {"shares": self.shares, "weight_loads": self.weight_loads}
+        return {"shares": self.shares, "weight_loads": self.weight_loads, "rests": self.rests}
 
 
 class _SharedWeights:

@@ -1,9 +1,9 @@
 """How much of the machine's CPU time nothing ran on, from Linux's ``/proc/stat``.
 
 The per-role idle fractions (``trainer_idle_fraction``,
-``generator_idle_fraction``) say when a role waited; with elastic engines
-(docs/concepts.md "Elastic engines") a waiting trainer's core generates, so a role's
-idle time is not the device's. ``machine_cpu_idle_fraction`` is the
+``generator_idle_fraction``) say when a role waited; with flex workers
+(docs/concepts.md "The elastic pool") a waiting trainer's core may generate, so a
+role's idle time is not the device's. ``machine_cpu_idle_fraction`` is the
 device's: the share of all cores' time, between two step records, that the
 kernel spent idle (``idle`` + ``iowait`` over ``user`` + ``nice`` +
 ``system`` + ``irq`` + ``softirq`` + ``idle`` + ``iowait``). ``steal``

@@ -7,7 +7,7 @@ The actors (``infra.actors``) are named inside a per-run Ray namespace;
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import ray
@@ -17,10 +17,6 @@ from reflow.config.schema import ReflowConfig
 from reflow.infra.actors import EngineWorker, FlexWorker, TrainerWorker, in_bundle
 from reflow.infra.signals import interrupt_on_signals
 from reflow.policies.multiturn import ToolSettings
-
-# The priority of elastic engines (``resources.elastic_engines``): the lowest (they still slow the trainer some).
-ELASTIC_NICE = 19
-
 
 # glibc malloc in every worker: freed memory stays in the process (one arena, never trimmed; blocks up to
 # 32 MiB, glibc's largest threshold, come from that heap instead of mmap). On a VM that hands freed guest
@@ -83,8 +79,8 @@ def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
 def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root: str,
                    engine_settings: Any, version: int = 0, run_dir: str | None = None,
                    run_id: str | None = None, tool_fn: Any = None) -> Placement:
-    """Create the engine actors (``resources.engines``, then ``resources.elastic_engines``, then the flex workers
-    of ``resources.flex_workers``) and the trainer (``resources.trainer_ranks``); wait for all.
+    """Create the engine actors (``resources.engines``, then the flex workers of ``resources.flex_workers``) and
+    the trainer (``resources.trainer_ranks``); wait for all.
 
     Several engines take one placement group (spread over the nodes by
     default), several trainer ranks another (packed by default).
@@ -108,20 +104,21 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
     env = {"env_vars": worker_env(res.torch_threads)}
     restarts = {"max_restarts": res.max_actor_restarts, "max_task_retries": -1 if res.max_actor_restarts else 0}
     trainer_name = "trainer"
-    engine_names = tuple(f"engine-{i}" for i in range(res.engines + res.elastic_engines))
+    engine_names = tuple(f"engine-{i}" for i in range(res.engines))
     spread = engine_placement_group(cfg)
     engines = [ray.remote(EngineWorker).options(
-        name=name, namespace=namespace, num_cpus=res.engine_cpus if i < res.engines else 0,
-        num_gpus=res.engine_gpus if i < res.engines else 0, runtime_env=env, max_concurrency=1,
-        scheduling_strategy=in_bundle(spread, i) if i < res.engines else None, **restarts).remote(
-            cfg.rollout.engine, engine_settings, version, trainer_name, tools, tool_fn,
-            ELASTIC_NICE if i >= res.engines else 0)
+        name=name, namespace=namespace, num_cpus=res.engine_cpus, num_gpus=res.engine_gpus, runtime_env=env,
+        max_concurrency=1, scheduling_strategy=in_bundle(spread, i), **restarts).remote(
+            cfg.rollout.engine, engine_settings, version, trainer_name, tools, tool_fn)
         for i, name in enumerate(engine_names)]
     flex_names = tuple(f"flex-{i}" for i in range(res.flex_workers))
+    # on a GPU the engine shares it with the worker's trainer module, and sleeps while the worker trains
+    flex_settings = replace(engine_settings, sleep_mode=True,
+                            gpu_memory_utilization=cfg.pool.gpu_memory_utilization)
     engines += [ray.remote(FlexWorker).options(
         name=name, namespace=namespace, num_cpus=res.flex_cpus, num_gpus=res.engine_gpus, runtime_env=env,
         max_concurrency=1, **restarts).remote(
-            cfg.rollout.engine, engine_settings, model_dir, config_to_json(cfg), version, trainer_name, tools,
+            cfg.rollout.engine, flex_settings, model_dir, config_to_json(cfg), version, trainer_name, tools,
             tool_fn) for name in flex_names]
     engine_names += flex_names
     group = trainer_placement_group(cfg)
@@ -169,7 +166,7 @@ def join_weight_group(cfg: ReflowConfig, trainer: Any, engines: Sequence[Any]) -
     group's store waits for all of them).
     """
     res = cfg.resources
-    backend = "nccl" if res.engine_gpus > 0 and res.trainer_gpus > 0 and not res.elastic_engines else "gloo"
+    backend = "nccl" if res.engine_gpus > 0 and res.trainer_gpus > 0 else "gloo"
     address, specs = ray.get([trainer.weight_group_address.remote(), trainer.weight_specs.remote()])
     world = 1 + len(engines)
     ray.get([trainer.join_weight_group.remote(address, world, backend),

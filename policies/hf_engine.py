@@ -41,6 +41,11 @@ class TransformersEngine:
     def pending_ids(self) -> list[str]:
         return [r.request_id for r in self._queue]
 
+    def rest(self) -> bool:
+        """Nothing to free: between batches this engine holds only its weights (no KV cache outlives
+        ``collect``), and they are what it generates with next."""
+        return False
+
     def abort(self, request_ids: Sequence[str]) -> list[GenResult]:
         """Drop queued requests (nothing is generated before ``collect``, so nothing is partial)."""
         drop = set(request_ids)

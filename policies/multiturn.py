@@ -186,6 +186,10 @@ class MultiTurnEngine:
     def update_weights(self, state: dict[str, Any], version: int) -> None:
         self.engine.update_weights(state, version)
 
+    def rest(self) -> bool:
+        """The wrapped engine's ``rest``, once no request is in flight or waiting on its tool."""
+        return not self._turns and self.engine.rest()
+
 
 def _extend(mask: list[int], n: int) -> list[int]:
     """``mask`` fitted to ``n`` tokens: tokens past it are the policy's (1)."""

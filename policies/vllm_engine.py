@@ -71,13 +71,21 @@ class VLLMEngine:
         if settings.cpu_linear == "torch":
             _use_torch_linear_on_cpu()
 
+        from vllm.platforms import current_platform
+
         self.settings = settings
         self.version = version
+        on_gpu = {}  # what only a GPU build takes: its memory share, and sleep mode for a flex worker's engine
+        if current_platform.is_cuda_alike():
+            on_gpu["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        self._can_sleep = settings.sleep_mode and current_platform.is_sleep_mode_available()
+        if self._can_sleep:
+            on_gpu["enable_sleep_mode"] = True
         self._llm = LLM(model=settings.model_dir, dtype=settings.dtype, seed=settings.seed,
                         max_model_len=settings.max_model_len,
                         max_num_seqs=settings.max_concurrent_sequences,
                         enforce_eager=settings.enforce_eager, enable_prefix_caching=True,
-                        disable_log_stats=True)
+                        disable_log_stats=True, **on_gpu)
         self._engine = self._llm.llm_engine
         # Stop strings need detokenized text; without them vLLM skips detokenizing (faster). Every request gets
         # its own params object, so vLLM may skip deep-copying it (skip_clone): that copy was over a third of
@@ -90,8 +98,39 @@ class VLLMEngine:
         self._by_engine_id: dict[str, _Progress] = {}  # by the id vLLM knows
         self._resumes = 0
         self.resumed_prefix_tokens = 0  # prompt + partial tokens prefilled again after weight updates
+        self._asleep = False
+        self._deferred: dict[str, torch.Tensor] | None = None  # weights pushed while asleep, loaded at waking
+        self.sleeps = 0
+
+    def rest(self) -> bool:
+        """Free the GPU memory generation holds until the engine is next given requests (a flex worker about
+        to train on the same GPU): vLLM's sleep mode, level 1 (weights offloaded to host memory, KV cache
+        discarded), as verl's colocated engine does between rollouts.
+
+        Only where vLLM has a sleep mode (CUDA, ROCm) and ``settings.sleep_mode`` asked for it, and only with
+        nothing in flight; False otherwise (on the CPU a flex worker's engine just stops stepping). Weights
+        pushed while it sleeps are loaded as it wakes (``_wake``), the newest only.
+        """
+        if not self._can_sleep or self._asleep or self._pending:
+            return False
+        self._llm.sleep(level=1)
+        self._asleep = True
+        self.sleeps += 1
+        return True
+
+    def _wake(self) -> None:
+        """Weights back first, then the newest ones pushed meanwhile loaded over them, then the KV cache
+        (verl's order: the cache is not allocated while two copies of the weights might be)."""
+        self._llm.wake_up(tags=["weights"])
+        if self._deferred is not None:
+            self._reload(self._deferred)
+            self._deferred = None
+        self._llm.wake_up(tags=["kv_cache"])
+        self._asleep = False
 
     def submit(self, requests: Sequence[GenRequest]) -> None:
+        if self._asleep and requests:
+            self._wake()
         for req in requests:
             if req.request_id in self._pending:
                 raise ValueError(f"request id {req.request_id!r} is already running")
@@ -200,6 +239,10 @@ class VLLMEngine:
         against it stays exact. The prefix cache is kept too (vLLM can only
         reset it with no request running).
         """
+        if self._asleep:  # nothing in flight; loaded as it wakes
+            self._deferred = state
+            self.version = version
+            return
         if self.settings.keep_kv_on_update:
             self._reload(state)
             self.version = version

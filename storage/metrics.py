@@ -117,7 +117,6 @@ class RolloutStats:
     resumed_prefix_tokens: int | None = None  # resumed prefixes prefilled again
     continued_requests: int | None = None  # resumed partials still running in the engine (parked)
     tool_calls: int | None = None  # tool outputs appended (multi-turn tool use only)
-    elastic_tokens: int = field(default=0, metadata=NOT_LOGGED)  # of generated_tokens, by elastic engines
     trajectories_delta_version: int = field(default=-1, metadata=group("storage"))  # the append's table version (-1: written by an earlier attempt)
 
 
@@ -141,7 +140,7 @@ class StreamStats:
     previous_log_seconds: float = 0.0  # logging the step before (known only after it)
     write_seconds: float = 0.0  # the feeder's appends since the step before (scoring and Delta commits)
     writes: int = 0  # appends since the step before
-    # several engines (main, then elastic): each one's in-flight target and tokens per second of its own
+    # several engines (the engines, then the flex workers): each one's in-flight target and tokens per second of its own
     # stepping since the step before (logged as <name>_<engine>; empty with one engine)
     concurrency_target_by_engine: tuple[int, ...] = field(default=(), metadata=group("rollout"))
     engine_tokens_per_s_by_engine: tuple[float, ...] = field(default=(), metadata=group("perf"))
@@ -165,7 +164,6 @@ class StepTimes:
     generated_tokens: int = field(metadata=group("perf"))
     generated_tokens_per_s: float = field(metadata=group("perf"))  # rounds: per engine second; streaming: per step second
     trained_tokens_per_s: float = field(metadata=group("perf"))  # per trainer second
-    elastic_token_share: float | None = field(metadata=group("perf"))  # share of the generated tokens made by elastic engines (None: none run)
     staleness_mean: float = field(metadata=group("buffer"))  # trainer version minus generating version, over the batch
     staleness_max: int = field(metadata=group("buffer"))
     policy_version: int = field(metadata=group("train"))  # after the step

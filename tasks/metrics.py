@@ -29,8 +29,6 @@ def step_metrics(run_dir: str, scored: RolloutStats, updated: UpdateSummary, syn
         generated_tokens=scored.generated_tokens,
         generated_tokens_per_s=scored.generated_tokens / max(scored.rollout_seconds, 1e-9),
         trained_tokens_per_s=train.trained_tokens / max(train.trainer_seconds, 1e-9),
-        elastic_token_share=(scored.elastic_tokens / max(scored.generated_tokens, 1)
-                             if context(run_dir).cfg.resources.elastic_engines else None),
         staleness_mean=updated.staleness_mean, staleness_max=updated.staleness_max, policy_version=updated.version,
         samples=scored.samples, machine_cpu_idle_fraction=step_cpu_idle(run_dir),
         driver_cpu_fraction=driver_cpu, prefect_server_cpu_fraction=server_cpu,

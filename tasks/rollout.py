@@ -34,7 +34,6 @@ class RolloutHandle:
     samples: Any  # [ray.ObjectRef[GenBatch]], one per engine that got requests
     num_requests: int
     submitted_at: float  # run clock when the round was submitted
-    elastic_parts: tuple[int, ...] = ()  # which of ``samples`` come from elastic engines (not main, not flex)
 
 
 def _train_prompts(ctx: TaskContext, step: int) -> list[Prompt]:
@@ -82,16 +81,13 @@ def rollout(run_dir: str, step: int) -> RolloutHandle:
     if ctx.cfg.mode.kind == "one_step_off":  # its rollout overlaps the update, which the flex workers serve
         flex = set(ctx.cfg.resources.flex_indices)
         names = tuple(name for i, name in enumerate(names) if i not in flex)
-    res = ctx.cfg.resources
-    refs, elastic_parts = [], []
-    for i, name in enumerate(names):  # whole groups, dealt round-robin to the main, elastic and flex engines
+    refs = []
+    for i, name in enumerate(names):  # whole groups, dealt round-robin to the engines and flex workers
         requests = requests_for(ctx, prompts[i::len(names)], ctx.cfg.rollout.samples_per_prompt, str(step))
         if requests:
-            if res.engines <= i < res.engines + res.elastic_engines:
-                elastic_parts.append(len(refs))
             refs.append(actor(name, ctx.record.namespace).generate.remote(requests))
     return RolloutHandle(step=step, samples=refs, num_requests=len(prompts) * ctx.cfg.rollout.samples_per_prompt,
-                         submitted_at=now, elastic_parts=tuple(elastic_parts))
+                         submitted_at=now)
 
 
 def _decode(ctx: TaskContext, result: GenResult) -> str:
@@ -153,8 +149,6 @@ def score(run_dir: str, handle: RolloutHandle) -> RolloutStats:
                         rollout_bubble_ratio=max(0.0, 1.0 - batch.busy_slot_seconds
                                                  / max(batch.slots * batch.seconds, 1e-9)),
                         prefill_tokens=sum(len(prompt_tokens[pid]) for pid in pids),
-                        elastic_tokens=sum(len(r.response_tokens) for i in handle.elastic_parts
-                                           for r in parts[i].results),
                         trajectories_delta_version=-1 if version is None else version)
 
 

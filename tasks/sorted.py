@@ -43,7 +43,7 @@ def _gather(parts: list[tuple[RayRoundEngine, list[GenRequest], RoundGoal]]) -> 
 
 
 def round_engine(ctx: TaskContext) -> RoundEngine:
-    """The run's main engines as one ``RoundEngine`` (``resources.engines``; elastic engines take no part)."""
+    """The run's main engines as one ``RoundEngine`` (``resources.engines``; flex workers take no part)."""
     max_sequences = ctx.cfg.rollout.max_concurrent_sequences
     engines = [RayRoundEngine(actor(name, ctx.record.namespace), max_sequences)
                for name in ctx.record.engines[:ctx.cfg.resources.engines]]

@@ -430,9 +430,7 @@ def test_the_elastic_pool_moves_its_worker_to_the_slow_stage_and_gains_samples(b
     assert summarise(pooled).new_samples_per_s > 1.1 * summarise(held).new_samples_per_s
 
 
-def test_elastic_engines_and_flex_workers_outside_the_streaming_modes_are_refused() -> None:
+def test_flex_workers_outside_the_streaming_modes_are_refused() -> None:
     prof = profile()
-    with pytest.raises(ValueError, match="elastic_engines"):
-        simulate(small("async", **{"resources.elastic_engines": "1"}), prof, 0)
     with pytest.raises(ValueError, match="streaming modes only"):
         simulate(small("sync", **{"resources.flex_workers": "1"}), prof, 0)

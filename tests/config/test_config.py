@@ -98,16 +98,18 @@ def test_tools_cross_checks() -> None:
         load_config(None, [*base, "rollout.scheduling=sorted_on_policy"])
 
 
-def test_elastic_engines_need_plain_rounds() -> None:
-    assert load_config(None, ["resources.elastic_engines=1"]).resources.elastic_engines == 1
-    assert load_config(None, ["resources.elastic_engines=1", "mode.kind=reflow",
-                              "rollout.scheduling=sorted_partial"]).resources.elastic_engines == 1
-    with pytest.raises(ConfigError, match="resources.elastic_engines > 0 needs rollout.scheduling='plain'"):
-        load_config(None, ["resources.elastic_engines=1", "rollout.scheduling=sorted_partial"])
-    # several main engines run sorted rounds together (control.sorted_rounds.PooledRoundEngine)
+def test_a_retired_field_names_what_replaced_it(tmp_path) -> None:
+    """``resources.elastic_engines`` (an engine at nice 19) was removed for flex workers: an old config says so."""
+    with pytest.raises(ConfigError, match=r"resources.elastic_engines: removed: resources.flex_workers does its job"):
+        load_config(None, ["resources.elastic_engines=1"])
+    old = tmp_path / "old.toml"
+    old.write_text("[resources]\nelastic_engines = 1\n")
+    with pytest.raises(ConfigError, match=r"resources.elastic_engines: removed"):
+        load_config(old)
+    with pytest.raises(ConfigError, match=r"resources.elastic_engine: unknown field"):  # a misspelling is not
+        load_config(None, ["resources.elastic_engine=1"])
+    # several engines run sorted rounds together (control.sorted_rounds.PooledRoundEngine)
     assert load_config(None, ["resources.engines=2", "rollout.scheduling=sorted_partial"]).resources.engines == 2
-    with pytest.raises(ConfigError, match="resources.elastic_engines"):
-        load_config(None, ["resources.elastic_engines=-1"])
 
 
 def test_new_groups_budget_bounds_the_steps_of_modes_with_full_batches_of_new_groups() -> None:

@@ -287,6 +287,135 @@ def test_vllm_engine_keeps_the_kv_cache_across_an_update(random_model_dir: Path,
     assert data["resumed"] == 0  # nothing was prefilled again, in the stream or across the parked round
 
 
+class _SleepyLLM:
+    """vLLM's ``LLM`` as ``VLLMEngine`` drives it around sleep mode: records the calls, generates nothing."""
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
+        self.calls: list[tuple] = []
+        self.llm_engine = self
+        self.added: list[str] = []
+
+    def sleep(self, level: int = 1) -> None:
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None) -> None:
+        self.calls.append(("wake_up", tags))
+
+    def collective_rpc(self, method: str, kwargs: dict) -> None:
+        self.calls.append((method, dict(kwargs["weights_iterator"])["w"].item()))
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append(("reset_prefix_cache",))
+
+    def add_request(self, request_id: str, prompt, params) -> None:
+        self.added.append(request_id)
+
+    def abort_request(self, ids) -> None:
+        self.calls.append(("abort", list(ids)))
+
+
+@pytest.mark.vllm
+def test_vllm_engine_sleeps_to_rest_and_wakes_with_the_newest_weights(random_model_dir: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flex worker's engine (``sleep_mode``) on a platform with sleep mode: ``rest`` sleeps at level 1 only
+    with nothing in flight; weights pushed while asleep are deferred, and the next requests wake it in verl's
+    order: weights, the newest push loaded over them, then the KV cache. The real sleep mode needs a GPU
+    (``test_vllm_engine_rests_on_a_gpu``)."""
+    import dataclasses
+
+    import vllm
+    from vllm.platforms import current_platform
+
+    from reflow.policies.vllm_engine import VLLMEngine
+
+    monkeypatch.setattr(vllm, "LLM", _SleepyLLM)
+    monkeypatch.setattr(type(current_platform), "is_sleep_mode_available", lambda self: True)
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.setenv(name, "1")  # the engine sets them; restored after the test
+    settings = dataclasses.replace(_settings(random_model_dir), cpu_linear="onednn")  # vLLM's own ops unpatched
+    eng = VLLMEngine(dataclasses.replace(settings, sleep_mode=True))
+    llm = eng._llm
+    assert llm.kwargs["enable_sleep_mode"] is True
+    eng.submit([GenRequest("a", [5, 6], max_tokens=4)])
+    assert eng.rest() is False and llm.calls == []  # a request in flight: no sleep
+    eng.abort(["a"])
+    llm.calls.clear()
+    assert eng.rest() is True and eng.rest() is False  # asleep already
+    assert llm.calls == [("sleep", 1)]
+    eng.update_weights({"w": torch.tensor(1.0)}, version=3)
+    eng.update_weights({"w": torch.tensor(2.0)}, version=4)
+    assert llm.calls == [("sleep", 1)] and eng.version == 4  # nothing loaded into a sleeping engine
+    eng.submit([GenRequest("b", [5, 6], max_tokens=4)])
+    assert llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("reload_weights", 2.0), ("wake_up", ["kv_cache"])]
+    assert llm.added[-1] == "b" and eng.sleeps == 1
+    eng.abort(["b"])
+    llm.calls.clear()
+    eng.update_weights({"w": torch.tensor(3.0)}, version=5)  # awake again: loaded at once
+    assert llm.calls[0] == ("reload_weights", 3.0)
+    # an engine that was not asked for sleep mode never sleeps
+    plain = VLLMEngine(settings)
+    assert "enable_sleep_mode" not in plain._llm.kwargs and plain.rest() is False and plain._llm.calls == []
+
+
+SLEEP_SCRIPT = textwrap.dedent('''
+    import json, sys, torch
+    from transformers import AutoModelForCausalLM
+    from reflow.policies.engines import EngineSettings, generate_all
+    from reflow.policies.vllm_engine import VLLMEngine
+    from reflow.storage.schema import GenRequest
+    def main():
+        model_dir = sys.argv[1]
+        s = EngineSettings(model_dir=model_dir, dtype="float32", temperature=1.0, eos_token_id=2,
+                           max_model_len=512, max_concurrent_sequences=16, seed=0, sleep_mode=True,
+                           gpu_memory_utilization=0.3)
+        eng = VLLMEngine(s)
+        first = generate_all(eng, [GenRequest(f"a{i}", [10 + i, 11, 12], max_tokens=8) for i in range(4)])
+        free = lambda: torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+        before = free()
+        rested = eng.rest()
+        after = free()
+        zeros = {k: torch.zeros_like(v) for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()}
+        eng.update_weights(zeros, version=4)
+        second = generate_all(eng, [GenRequest(f"b{i}", [10 + i, 11, 12], max_tokens=8) for i in range(4)])
+        rows = lambda rs: [dict(r.__dict__, version=r.version) for r in rs]
+        json.dump({"first": rows(first), "second": rows(second), "rested": rested, "freed": after - before},
+                  open(sys.argv[2], "w"))
+    if __name__ == "__main__":
+        main()
+''')
+
+
+def _check_rest(data: dict) -> None:
+    """Generation after a rest and a push of zero weights: every token the new version's, uniform (zeros)."""
+    uniform = -float(torch.log(torch.tensor(128.0)))
+    assert len(data["first"]) == len(data["second"]) == 4
+    for res in data["second"]:
+        assert res["token_versions"] == [4] * len(res["response_tokens"]) and res["response_tokens"]
+        assert res["logprobs"] == pytest.approx([uniform] * len(res["logprobs"]), abs=1e-4)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_engine_does_not_rest_on_the_cpu(random_model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's CPU build has no sleep mode: ``rest`` says so, and the engine generates with what it is pushed."""
+    data = _run_script(SLEEP_SCRIPT, random_model_dir, tmp_path)
+    assert data["rested"] is False
+    _check_rest(data)
+
+
+@pytest.mark.vllm
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_vllm_engine_rests_on_a_gpu(random_model_dir: Path, tmp_path: Path) -> None:
+    """On a GPU: ``rest`` sleeps (GPU memory freed), and the engine wakes with the weights pushed meanwhile."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    data = _run_script(SLEEP_SCRIPT, random_model_dir, tmp_path)
+    assert data["rested"] is True and data["freed"] > 0
+    _check_rest(data)
+
+
 def test_merge_batches_keeps_every_result_and_counts_idle_slots_of_the_early_engine() -> None:
     a = GenBatch(results=["a1", "a2"], seconds=2.0, busy_slot_seconds=3.0, slots=2)
     b = GenBatch(results=["b1"], seconds=1.0, busy_slot_seconds=1.0, slots=2)

@@ -14,7 +14,7 @@ def _step() -> m.StepMetrics:
     batch = m.BatchStats.of([1.0, 0.0], [True, False], [3, 5])
     times = m.StepTimes(step_seconds=2.0, update_seconds=1.0, generator_idle_fraction=0.1, trainer_idle_fraction=0.2,
                       generated_tokens=8, generated_tokens_per_s=4.0, trained_tokens_per_s=5.0,
-                      elastic_token_share=None, staleness_mean=0.5, staleness_max=1, policy_version=3, samples=2,
+                      staleness_mean=0.5, staleness_max=1, policy_version=3, samples=2,
                       usage_delta_version=4)
     stream = m.StreamStats(engine_tokens_per_s=9.0, replay_share=0.5, reuse_mean=1.5, reuse_max=2, fresh_samples=1,
                          stale_samples=0, replayed_samples=1, concurrency_target=16, groups_expired=0,
