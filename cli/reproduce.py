@@ -26,8 +26,7 @@ from typing import Any
 
 from reflow.cli.runtime import preflight, quiet_environment
 from reflow.cli.train import launch
-from reflow.config.load import ConfigError, InputError
-from reflow.config.schema import ReflowConfig
+from reflow.config.load import ConfigError, InputError, stored_config
 from reflow.infra.provenance import (
     MANIFEST_ARTIFACT,
     code_revision,
@@ -257,7 +256,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         client = open_client(tracking_uri)
         manifest = fetch_manifest(client, original_id, tracking_uri)
         try:
-            cfg = ReflowConfig.model_validate(manifest["config"])
+            cfg = stored_config(manifest["config"], "its tracked manifest")
         except ValueError as exc:
             raise ConfigError(f"the recorded config of {original_id} is not valid with this code: {exc}") from None
         # The repeat goes under --runs (else where the original went) and is tracked next to the original.

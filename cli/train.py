@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from reflow.cli.runtime import preflight, quiet_environment, start_prefect_api
-from reflow.config.load import InputError, config_to_json, load_config
+from reflow.config.load import InputError, config_to_json, load_config, stored_config
 from reflow.config.reference import reference_markdown
 from reflow.config.schema import ReflowConfig
 from reflow.infra.run import find_finished_run, find_run, new_run_id
@@ -16,7 +16,7 @@ from reflow.infra.run import find_finished_run, find_run, new_run_id
 def cmd_resume(args: argparse.Namespace) -> int:
     run_dir = find_run(args.run, args.runs)
     try:
-        cfg = ReflowConfig.model_validate_json((run_dir / "config.json").read_text())
+        cfg = stored_config((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
         record = run_dir / "run.json"
         # killed during start-up: no record yet, and the run id is the directory's name (``new_run_id``)
         run_id = json.loads(record.read_text())["run_id"] if record.is_file() else run_dir.name

@@ -6,8 +6,10 @@ before validation, so a bad override is reported exactly like a bad file.
 
 from __future__ import annotations
 
+import copy
 import json
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +17,11 @@ from pydantic import ValidationError
 
 from reflow.config.schema import ReflowConfig
 
-# Fields a config may still carry from an older reflow, and what replaced them.
+# Fields a config may still carry from an older reflow: what replaced them, and the value that meant "unused"
+# (a run's stored config.json has every field, so its runs still load where the field held that value).
 RETIRED = {
-    "resources.elastic_engines": "removed: resources.flex_workers does its job on any device (docs/concepts.md, "
-                                 "\"The elastic pool\")",
+    "resources.elastic_engines": ("removed: resources.flex_workers does its job on any device (docs/concepts.md, "
+                                  "\"The elastic pool\")", 0),
 }
 
 
@@ -61,8 +64,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
         path = ".".join(str(p) for p in item["loc"])
         msg = item["msg"].removeprefix("Value error, ")  # our validators' messages, without pydantic's label
         if item["type"] == "extra_forbidden":
-            msg = RETIRED.get(path, "unknown field (check the spelling; every field: docs/configuration.md or "
-                                    "`reflow config`)")
+            msg = RETIRED[path][0] if path in RETIRED else (
+                "unknown field (check the spelling; every field: docs/configuration.md or `reflow config`)")
         given = item.get("input")
         shown = "" if isinstance(given, dict) or item["type"] == "missing" else f" (got {given!r})"
         lines.append(f"  {path}: {msg}{shown}" if path else f"  {msg}")  # a cross-field check names its fields
@@ -99,6 +102,21 @@ def validate_config(tree: dict[str, Any], source: str) -> ReflowConfig:
         return ReflowConfig.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, source)) from None
+
+
+def stored_config(data: str | Mapping[str, Any], source: str) -> ReflowConfig:
+    """A config a run stored (its config.json, or a tracked manifest's) as this code reads it: a retired field
+    that held its "unused" value is dropped (``RETIRED``); any other value of it is refused, naming what
+    replaced it. ConfigError naming ``source`` otherwise, as ``validate_config``."""
+    tree = json.loads(data) if isinstance(data, str) else copy.deepcopy(dict(data))
+    for dotted, (_, unused) in RETIRED.items():
+        *sections, key = dotted.split(".")
+        node: Any = tree
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        if isinstance(node, dict) and key in node and node[key] == unused:
+            del node[key]
+    return validate_config(tree, source)
 
 
 def config_to_json(cfg: ReflowConfig) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from reflow.config.load import InputError, config_to_json
+from reflow.config.load import InputError, config_to_json, stored_config
 from reflow.config.schema import ReflowConfig
 from reflow.storage.metrics import StepRecord
 
@@ -95,7 +95,8 @@ def load_record(run_dir: str) -> RunRecord:
 
 @functools.lru_cache(maxsize=8)
 def load_config_of(run_dir: str) -> ReflowConfig:
-    return ReflowConfig.model_validate_json((Path(run_dir) / "config.json").read_text())
+    path = Path(run_dir) / "config.json"
+    return stored_config(path.read_text(), str(path))
 
 
 def append_step(run_dir: str | Path, record: StepRecord) -> None:

@@ -108,6 +108,16 @@ def test_a_retired_field_names_what_replaced_it(tmp_path) -> None:
         load_config(old)
     with pytest.raises(ConfigError, match=r"resources.elastic_engine: unknown field"):  # a misspelling is not
         load_config(None, ["resources.elastic_engine=1"])
+    # a run's stored config.json has every field: one written before the removal still loads where it was 0
+    from reflow.config.load import config_to_json, stored_config
+
+    stored = json.loads(config_to_json(load_config(None, ["run.seed=7"])))
+    stored["resources"]["elastic_engines"] = 0
+    assert stored_config(json.dumps(stored), "config.json").run.seed == 7
+    assert "elastic_engines" in stored["resources"]  # the caller's tree is left as it was
+    stored["resources"]["elastic_engines"] = 1
+    with pytest.raises(ConfigError, match=r"invalid config \(config.json\):\n  resources.elastic_engines: removed"):
+        stored_config(stored, "config.json")
     # several engines run sorted rounds together (control.sorted_rounds.PooledRoundEngine)
     assert load_config(None, ["resources.engines=2", "rollout.scheduling=sorted_partial"]).resources.engines == 2
 
