@@ -401,7 +401,8 @@ class _Feeder:
         self.sched.wait_until(handle.end)
         items = [Finished(s.group, s, s.length, s.engine) for s in handle.finished]
         released = [Released(request[0], request, engine) for engine, request in handle.released]
-        return Drained(items, busy_s=handle.busy_s, in_flight=self.pool.in_flight,
+        # busy_s is the pool's mean, as the real feeder's (``Drained``): the scheduler's engine wait reads it
+        return Drained(items, busy_s=handle.busy_s / len(self.pool.engines), in_flight=self.pool.in_flight,
                        busy_by_engine=handle.busy_by_engine, released=released)
 
     def release(self, engine: int) -> None:
@@ -503,6 +504,7 @@ class _Selector:
         state = self.loops.state
         busy, tokens = state.engine_busy_s - self.seen_busy, state.generated_tokens - self.seen_tokens
         self.seen_busy, self.seen_tokens = state.engine_busy_s, state.generated_tokens
+        busy *= len(self.pool.engines)  # the pool's mean (``Drained.busy_s``) back to engine-seconds
         staleness = sel.staleness
         self.run.steps.append(SimStep(
             step=step, elapsed_s=now - self.run.origin, step_seconds=now - self.last_record,

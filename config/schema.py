@@ -406,6 +406,9 @@ class PoolConfig(_Section):
     dwell_s: float = Field(30.0, gt=0, le=86_400, description="A worker keeps its role at least this long, and the "
                            "pool switches at most once per dwell.")
     window_s: float = Field(5.0, gt=0, le=3600, description="Seconds of measured rates per decision.")
+    max_moves: int = Field(1, ge=1, le=1024, description="Flex workers one decision may move. 1: at most one "
+                           "switch per dwell_s; more: as many as close the measured wait of the faster stage, up "
+                           "to this (for a large pool, where one per dwell follows a change too slowly).")
     switch_estimate_s: float = Field(1.0, ge=0, le=3600, description="Cost of a switch assumed until one is "
                                      "measured (a switch must win back more than it costs over a dwell).")
     in_flight: Literal["move", "finish"] = Field("move", description="What a worker moving to training does "

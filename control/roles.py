@@ -6,7 +6,7 @@ buffer between the two stages: the admissible unused groups, in batches.
 When that level falls, generation is slower than training and the trainer
 will soon wait; when it rises, training is the slower stage and the
 engines' work will age out. Each window it reads the measured rates and
-moves at most one worker towards the slow stage:
+moves workers towards the slow stage (one, unless ``max_moves`` allows more):
 
 * **Band with hysteresis.** Below ``low`` batches and not rising (groups
   trained per second at or above groups produced: a buffer that sits empty
@@ -24,6 +24,15 @@ moves at most one worker towards the slow stage:
   ``|produced - trained| / max(produced, trained)``; over the next dwell
   that waiting, the most a switch can win back, must exceed the switch's
   measured cost.
+* **How many.** With ``max_moves`` above 1 (a large pool, where one worker
+  per dwell would take many dwells to follow a change), a decision moves
+  as many workers as close the measured wait, at most ``max_moves``: if the
+  fast stage waited a share ``w`` of the window, the slow stage must run
+  ``1 / (1 - w)`` times as fast, so its ``n`` workers (the fixed ones, plus
+  the flex workers already in that role) need ``n * w / (1 - w)`` more, each
+  assumed as fast as the average of those ``n``. Moving workers out of the
+  fast stage slows it too, so this overshoots a little; the band and the
+  dwell bound the correction.
 
 ``policy="alternate"`` drops the rule: each window past the dwell, the
 worker longest in its role takes the other one. It measures what switches
@@ -42,6 +51,7 @@ new requests, and is ``ready`` once those in flight have finished).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -67,7 +77,7 @@ class StageRates:
 @dataclass(frozen=True)
 class RoleDecision:
     at: float
-    worker: int | None  # the worker that switches (None: no switch)
+    workers: tuple[int, ...]  # the workers that switch (none: no switch)
     role: Role | None
     reason: str
     rates: StageRates
@@ -83,6 +93,9 @@ class RoleScheduler:
     high: float = 3.0
     dwell_s: float = 30.0
     policy: Literal["stage_speed", "alternate"] = "stage_speed"
+    max_moves: int = 1  # workers one decision may move (module docstring: "How many")
+    fixed_generators: int = 1  # the engines that always generate
+    fixed_trainers: int = 1  # the trainer ranks that always train
     decisions: list[RoleDecision] = field(default_factory=list)
     switches: int = 0
     _since: list[float] = field(default_factory=list)  # when each worker took its role
@@ -93,6 +106,8 @@ class RoleScheduler:
             raise ValueError(f"need 0 <= low ({self.low}) < high ({self.high})")
         if self.dwell_s <= 0:
             raise ValueError(f"dwell_s must be > 0, got {self.dwell_s}")
+        if self.max_moves < 1:
+            raise ValueError(f"max_moves must be >= 1, got {self.max_moves}")
         self._since = [self.clock.now()] * len(self.roles)
 
     @property
@@ -104,7 +119,7 @@ class RoleScheduler:
         return sum(r == "train" for r in self.roles)
 
     def decide(self, rates: StageRates) -> RoleDecision:
-        """One window: at most one switch towards the slow stage; the decision is kept and returned."""
+        """One window: switches towards the slow stage (at most ``max_moves``); the decision is kept and returned."""
         now = self.clock.now()
         level = rates.buffer_groups / max(rates.batch_groups, 1)
         net = rates.produced_groups_per_s - rates.trained_groups_per_s  # the level's trend, groups per second
@@ -117,14 +132,14 @@ class RoleScheduler:
             want, reason = "train", f"buffer {level:.2f} batches > {self.high}, not falling ({net:+.3f} groups/s)"
         else:
             reason = f"buffer {level:.2f} batches, trend {net:+.3f} groups/s: hold"
-        worker = None
+        workers: tuple[int, ...] = ()
         if want is not None:
-            worker, reason = self._pick(want, now, rates, net, reason)
-        if worker is not None:
+            workers, reason = self._pick(want, now, rates, net, reason)
+        for worker in workers:
             self.roles[worker] = want
             self._since[worker] = self._last_switch = now
             self.switches += 1
-        decision = RoleDecision(now, worker, want if worker is not None else None, reason, rates)
+        decision = RoleDecision(now, workers, want if workers else None, reason, rates)
         self.decisions.append(decision)
         return decision
 
@@ -141,24 +156,33 @@ class RoleScheduler:
             self._since[worker] = self._last_switch = now
             self.switches += 1
             reason += f"; worker {worker} -> {role}"
-        decision = RoleDecision(now, worker, role, reason, rates)
+        decision = RoleDecision(now, () if worker is None else (worker,), role, reason, rates)
         self.decisions.append(decision)
         return decision
 
-    def _pick(self, want: Role, now: float, rates: StageRates, net: float, reason: str) -> tuple[int | None, str]:
+    def _pick(self, want: Role, now: float, rates: StageRates, net: float,
+              reason: str) -> tuple[tuple[int, ...], str]:
         if self._last_switch is not None and now - self._last_switch < self.dwell_s:
-            return None, reason + f"; last switch {now - self._last_switch:.1f} s ago < dwell {self.dwell_s} s"
+            return (), reason + f"; last switch {now - self._last_switch:.1f} s ago < dwell {self.dwell_s} s"
         movable = [i for i, r in enumerate(self.roles) if r != want and now - self._since[i] >= self.dwell_s]
         if not movable:
-            return None, reason + f"; no worker free to move to {want}"
+            return (), reason + f"; no worker free to move to {want}"
         # the fast stage waits for the slow one this share of the time; over the next dwell that is what a
         # switch can win back at most
         waiting = rates.trainer_wait if want == "generate" else rates.generator_wait
         gap = abs(net) / max(rates.produced_groups_per_s, rates.trained_groups_per_s, 1e-9)
-        gain_s = self.dwell_s * max(waiting, gap)
+        share = max(waiting, gap)
+        gain_s = self.dwell_s * share
         if gain_s <= rates.switch_s:
-            return None, reason + f"; gain {gain_s:.1f} s over a dwell <= switch cost {rates.switch_s:.1f} s"
-        return movable[0], reason + f"; worker {movable[0]} -> {want}"
+            return (), reason + f"; gain {gain_s:.1f} s over a dwell <= switch cost {rates.switch_s:.1f} s"
+        n = 1
+        if self.max_moves > 1:  # enough to close the wait ("How many")
+            slow = (self.fixed_generators if want == "generate" else self.fixed_trainers) + sum(
+                r == want for r in self.roles)
+            share = min(share, 0.9)  # a stage that waited (almost) always: at most 9 times its size
+            n = max(1, min(self.max_moves, len(movable), math.ceil(slow * share / (1 - share) - 1e-9)))
+        chosen = tuple(movable[:n])
+        return chosen, reason + f"; worker{'s' if n > 1 else ''} {', '.join(map(str, chosen))} -> {want}"
 
 
 @dataclass(frozen=True)
@@ -224,12 +248,13 @@ class RolePool:
             (written - written0) / dt, (consumed - consumed0) / dt, level, self.batch_groups, switch_s,
             trainer_wait=min(1.0, (trainer_waited_s - waited0) / dt),
             generator_wait=min(1.0, max(0.0, 1.0 - (busy - busy0) / dt))))
-        if decision.worker is not None and decision.role is not None:
-            engine = self.flex[decision.worker]
+        if decision.workers and decision.role is not None:
             with self.state.cond:
-                self.state.roles[engine] = decision.role
-                self.state.switching[engine] = now
-                self.state.ready.discard(engine)  # moving to generate: no step may take it any more
+                for worker in decision.workers:
+                    engine = self.flex[worker]
+                    self.state.roles[engine] = decision.role
+                    self.state.switching[engine] = now
+                    self.state.ready.discard(engine)  # moving to generate: no step may take it any more
                 self.state.cond.notify_all()
         return decision
 

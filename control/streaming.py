@@ -86,7 +86,8 @@ def role_pool(cfg: ReflowConfig, state: LoopState, clock: Clock) -> RolePool:
     """The flex workers' scheduler (``[pool]``) over ``state``; every worker starts in ``pool.initial_role``."""
     p, flex = cfg.pool, list(cfg.resources.flex_indices)
     scheduler = RoleScheduler([p.initial_role] * len(flex), clock, low=p.low_batches, high=p.high_batches,
-                              dwell_s=p.dwell_s, policy=p.policy)
+                              dwell_s=p.dwell_s, policy=p.policy, max_moves=p.max_moves,
+                              fixed_generators=cfg.resources.engines, fixed_trainers=cfg.resources.trainer_ranks)
     return RolePool(scheduler, state, flex, cfg.rollout.prompts_per_step, p.window_s, p.switch_estimate_s)
 
 

@@ -384,7 +384,7 @@ class RaySelector:
         self._decisions_logged += len(decisions)
         finished = self.pool.finished_switches()
         flex = list(self.ctx.cfg.resources.flex_indices)
-        lines = [{"at": d.at, "worker": d.worker, "role": d.role, "reason": d.reason,
+        lines = [{"at": d.at, "workers": list(d.workers), "role": d.role, "reason": d.reason,
                   "rates": dataclasses.asdict(d.rates)} for d in decisions]
         lines += [{"switched": flex.index(engine), "role": role, "seconds": seconds} for engine, role, seconds in finished]
         if lines:

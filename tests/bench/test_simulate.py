@@ -434,3 +434,27 @@ def test_flex_workers_outside_the_streaming_modes_are_refused() -> None:
     prof = profile()
     with pytest.raises(ValueError, match="streaming modes only"):
         simulate(small("sync", **{"resources.flex_workers": "1"}), prof, 0)
+
+
+def test_the_scheduler_reads_the_engines_wait_as_the_real_feeder_reports_it(monkeypatch) -> None:
+    """``Drained.busy_s`` is the pool's mean (the real feeder's contract), so the engine wait the stage-speed
+    scheduler measures over its windows agrees with the run's generator idle; a sum over the eight engines
+    read it as none at all (the scheduler then kept a trainer-bound pool of 32 GPUs from moving)."""
+    import reflow.bench.simulate as sim
+
+    loops = []
+
+    class Spy(sim.StreamingLoops):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            loops.append(self)
+
+    monkeypatch.setattr(sim, "StreamingLoops", Spy)
+    prof = profile([[30, 40, 35, 45]], [[1, 0, 1, 0]], base=0.01, token_s=0.001, trainer_base=0.02)
+    run = simulate(small("async", **{"resources.engines": "6", "resources.flex_workers": "2",
+                                     "resources.flex_cpus": "0", "pool.window_s": "0.5",
+                                     "pool.dwell_s": "80000", "run.total_steps": "40"}), prof, 0)
+    waits = [d.rates.generator_wait for d in loops[-1].pool.scheduler.decisions]
+    idle = summarise(run).generator_idle
+    assert 0.3 < idle < 0.9 and len(waits) >= 5  # engines busy a third of the time: eight of them sum past 1
+    assert statistics.fmean(waits) == pytest.approx(idle, abs=0.1), (waits, idle)

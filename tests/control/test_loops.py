@@ -594,7 +594,7 @@ def test_a_flex_worker_moved_to_training_finishes_its_requests_then_is_ready_and
     assert len(state.switch_seconds) == 1 and state.switch_seconds[0][:2] == (1, "train")
     assert state.switch_seconds[0][2] > 0
     # the buffer runs dry while the trainer consumes fast: back to generation after the dwell
-    assert pool.tick().worker is None  # (a new window starts; nothing can move within the dwell)
+    assert pool.tick().workers == ()  # (a new window starts; nothing can move within the dwell)
     for _ in range(5):
         with state.cond:  # the trainer takes every group as it is written, and more
             state.groups_consumed += len(state.unused) + 8

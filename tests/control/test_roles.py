@@ -58,7 +58,8 @@ def test_at_most_one_switch_per_dwell_window_under_noisy_rates(seed: int) -> Non
     for _ in range(200):  # rates and level jump around the band
         clock.advance(10.0)
         s.decide(StageRates(rng.uniform(0.5, 3), rng.uniform(0.5, 3), rng.randint(0, 100), 16, switch_s=1.0))
-    times = [d.at for d in s.decisions if d.worker is not None]
+    times = [d.at for d in s.decisions if d.workers]
+    assert all(len(d.workers) <= 1 for d in s.decisions)  # max_moves = 1
     assert times and all(b - a >= 30.0 for a, b in zip(times, times[1:]))
 
 
@@ -85,11 +86,11 @@ def test_a_buffer_pinned_outside_the_band_moves_a_worker_by_the_measured_wait() 
     s = RoleScheduler(["train", "generate"], clock, low=0.5, high=1.5, dwell_s=30.0)
     clock.advance(30.0)
     held = s.decide(StageRates(2.0, 2.0, 0, 16, switch_s=1.0))
-    assert held.worker is None and "switch cost" in held.reason
+    assert held.workers == () and "switch cost" in held.reason
     moved = s.decide(StageRates(2.0, 2.0, 0, 16, switch_s=1.0, trainer_wait=0.4))
-    assert (moved.worker, moved.role) == (0, "generate")
+    assert (moved.workers, moved.role) == ((0,), "generate")
     clock.advance(30.0)
-    assert s.decide(StageRates(2.0, 2.0, 32, 16, switch_s=1.0, generator_wait=0.0)).worker is None
+    assert s.decide(StageRates(2.0, 2.0, 32, 16, switch_s=1.0, generator_wait=0.0)).workers == ()
     moved = s.decide(StageRates(2.0, 2.0, 32, 16, switch_s=1.0, generator_wait=0.3))
     assert moved.role == "train" and s.trainers == 1
 
@@ -100,5 +101,33 @@ def test_the_alternate_policy_switches_every_dwell_whatever_the_rates() -> None:
     run(s, clock, windows=10, produced=2.0, trained=2.0, level=24)  # steady: the band rule would hold
     # windows at 10, 20, ... 100 s, one dwell apart: a switch in each, the worker longest in its role first
     assert s.switches == 10
-    assert [(d.worker, d.role) for d in s.decisions if d.worker is not None][:3] == [
-        (0, "train"), (1, "generate"), (0, "generate")]
+    assert [(d.workers, d.role) for d in s.decisions if d.workers][:3] == [
+        ((0,), "train"), ((1,), "generate"), ((0,), "generate")]
+
+
+def test_a_large_pool_moves_as_many_workers_as_close_the_wait() -> None:
+    """max_moves > 1: the trainer waited 40% of the window, so 4 fixed engines must run 1 / 0.6 times as fast:
+    4 * 0.4 / 0.6 = 2.67, three more generators, in one decision. Then the dwell holds; a smaller wait later
+    (20%, over 7 generators: 1.75) moves two, and never more than max_moves or the workers free to move."""
+    clock = VirtualClock()
+    s = RoleScheduler(["train"] * 8, clock, low=0.5, high=1.5, dwell_s=30.0, max_moves=6, fixed_generators=4)
+    clock.advance(30.0)
+    moved = s.decide(StageRates(2.0, 2.0, 0, 16, switch_s=1.0, trainer_wait=0.4))
+    assert (moved.workers, moved.role) == ((0, 1, 2), "generate") and s.switches == 3
+    assert "workers 0, 1, 2 -> generate" in moved.reason
+    clock.advance(10.0)
+    assert s.decide(StageRates(2.0, 2.0, 0, 16, switch_s=1.0, trainer_wait=0.4)).workers == ()  # the dwell
+    clock.advance(20.0)
+    assert s.decide(StageRates(2.0, 2.0, 0, 16, switch_s=1.0, trainer_wait=0.2)).workers == (3, 4)
+    clock.advance(30.0)
+    capped = RoleScheduler(["train"] * 8, clock, low=0.5, high=1.5, dwell_s=30.0, max_moves=2, fixed_generators=4)
+    clock.advance(30.0)
+    assert capped.decide(StageRates(2.0, 2.0, 0, 16, switch_s=1.0, trainer_wait=0.9)).workers == (0, 1)
+    # towards training the slow stage is the trainer (one rank): engines idle 30% -> 1 * 0.3 / 0.7 = 0.43, one
+    s2 = RoleScheduler(["generate"] * 4, clock, low=0.5, high=1.5, dwell_s=30.0, max_moves=4, fixed_generators=4)
+    clock.advance(30.0)
+    assert s2.decide(StageRates(2.0, 2.0, 32, 16, switch_s=1.0, generator_wait=0.3)).workers == (0,)
+    clock.advance(30.0)  # now two train (the rank and worker 0): 2 * 0.6 / 0.4 = 3, the three left
+    assert s2.decide(StageRates(2.0, 2.0, 32, 16, switch_s=1.0, generator_wait=0.6)).workers == (1, 2, 3)
+    with pytest.raises(ValueError, match="max_moves"):
+        RoleScheduler(["train"], VirtualClock(), max_moves=0)
