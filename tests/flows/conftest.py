@@ -107,7 +107,12 @@ class Attempt:
         return left
 
     def finish(self, timeout: float = 300) -> int:
-        return self.proc.wait(timeout=timeout)
+        """The run's exit code; a run still going after ``timeout`` seconds fails the test with the last of what
+        it printed (where a hung run and a slow one differ)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not finish within {timeout:.0f} s; it printed:\n{self.output()}")
 
     def output(self, tail: int | None = 4000) -> str:
         """What the run printed: the last ``tail`` characters (for failure messages), or all of it (None)."""
