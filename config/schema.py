@@ -315,8 +315,8 @@ class BufferConfig(_Section):
     max_reuse: int = Field(2, ge=1, le=100, description="reflow: most times one trajectory is trained on "
                            "(1: never replayed).")
     replay_order: Literal["newest", "advantage", "signal"] = Field(
-        "advantage", description="reflow: which replayed groups go first: 'advantage' (largest mean |centred "
-        "reward| first; groups with equal rewards carry no gradient), 'signal' (that spread times the weight the "
+        "advantage", description="reflow: which replayed groups go first: 'advantage' (largest spread first: the "
+        "variance of the group's rewards; groups with equal rewards carry no gradient), 'signal' (that spread times the weight the "
         "replay would get from reuse_decay and staleness_decay; groups with no spread are never replayed) or "
         "'newest'.")
     reuse_decay: float = Field(0.5, gt=0, le=1, description="Loss weight factor per previous use of a sample.")

@@ -20,10 +20,11 @@ A training batch is a set of whole GRPO groups taken from the
 3. **Then replayed groups** (used at least once, fewer than ``max_reuse``
    times) while the batch has room and the replayed samples stay within
    ``replay_ratio`` of the samples actually returned. Order (``replay_order``):
-   ``newest`` (highest policy version first), ``advantage`` (largest mean
-   ``|r - mean_group(r)|`` first, i.e. the mean absolute centred advantage:
-   groups whose rewards are all equal carry no GRPO gradient and go last) or
-   ``signal`` (the learning signal a replay still carries: that spread times
+   ``newest`` (highest policy version first), ``advantage`` (largest spread
+   first: the group's population variance of rewards, the mean of ``(r -
+   mean_group(r))**2``, i.e. of the squared centred advantage; groups whose
+   rewards are all equal carry no GRPO gradient and go last) or ``signal``
+   (the learning signal a replay still carries: that spread times
    the loss weight the group would get, ``reuse_decay ** reuse *
    staleness_decay ** (tv - oldest)`` as in ``policies.offpolicy.replay_weight``,
    largest first; groups with no spread are not replayed at all, since they
@@ -146,10 +147,12 @@ def select_batch_sql(run_id: str, trainer_version: int, groups_needed: int, poli
     g = int(groups_needed)
     uses = (f"SELECT trajectory_id, COUNT(*) AS uses FROM usage "
             f"WHERE run_id = {run} AND trainer_version >= {lo} GROUP BY trajectory_id")
-    advantage = policy.replay_order in ("advantage", "signal")
-    # mean |r - mean_group(r)|: needs each row's group mean, hence a window (only for this order).
-    centred = ", ABS(w.reward - AVG(w.reward) OVER (PARTITION BY w.group_id)) AS abs_adv" if advantage else ""
-    spread = ", AVG(abs_adv) AS spread" if advantage else ""
+    # The spread is an aggregate of the group's rows. It was the mean |r - mean_group(r)|, which needs each
+    # row's group mean: a window over the window's rows sorted by group, a fifth of the selection's time
+    # (docs/measurements.md). For 0/1 rewards that is 2 p (1 - p), twice the variance, so both orders are
+    # unchanged there. Rounded, so that groups of the same rewards in another row order tie exactly (the
+    # variance's running sums differ in the last bits) and the tie-break decides, as before.
+    spread = ", ROUND(VAR_POP(reward), 12) AS spread" if policy.replay_order in ("advantage", "signal") else ""
     complete = f" AND n = {int(samples_per_prompt)}" if samples_per_prompt is not None else ""
     reuse_cap = int(policy.max_reuse) if policy.replay_ratio > 0 else 1
     order = _group_order(policy, tv)
@@ -161,7 +164,7 @@ WITH win AS (
 ), uses AS (
   {uses}
 ), rows AS (
-  SELECT w.trajectory_id, w.group_id, w.sample_index, w.policy_version, COALESCE(u.uses, 0) AS uses{centred}
+  SELECT w.trajectory_id, w.group_id, w.sample_index, w.policy_version, w.reward, COALESCE(u.uses, 0) AS uses
   FROM win w LEFT JOIN uses u ON w.trajectory_id = u.trajectory_id
 ), grp AS (
   SELECT group_id, COUNT(*) AS n, MIN(policy_version) AS oldest, MAX(uses) AS reuse{spread},

@@ -217,7 +217,7 @@ def test_recorded_selection_rebuilds_what_select_batch_returned(tmp_path: Path) 
 
 def test_replay_order_by_advantage(tmp_path: Path) -> None:
     store = DeltaTrajectoryStore(tmp_path)
-    # mean |r - mean|: flat 0, half 0.5, skew (1,0,0,0): 0.375; newer groups first among ties
+    # reward variance: flat 0, half 0.25, skew (1,0,0,0): 0.1875; newer groups first among ties
     groups = {"flat": [1.0, 1.0, 1.0, 1.0], "half": [1.0, 0.0, 1.0, 0.0], "skew": [1.0, 0.0, 0.0, 0.0]}
     records = [r for name, rewards in groups.items() for r in _group(name, 0, 4, rewards)]
     store.append_trajectories(records + _group("half_new", 1, 4, [0.0, 1.0, 1.0, 0.0]), app_id="f", txn_version=0)
@@ -229,12 +229,25 @@ def test_replay_order_by_advantage(tmp_path: Path) -> None:
     assert list(dict.fromkeys(newest.group_ids)) == ["half_new", "flat", "half", "skew"]
 
 
+def test_the_spread_is_the_reward_variance(tmp_path: Path) -> None:
+    # rewards other than 0/1, where the variance and the mean |centred reward| disagree:
+    #   "skew"  (1, 0, 0, 0):         mean 0.25, variance 0.1875, mean |r - mean| 0.375
+    #   "close" (0.9, 0.1, 0.9, 0.1): mean 0.5,  variance 0.16,   mean |r - mean| 0.4
+    store = DeltaTrajectoryStore(tmp_path)
+    groups = {"skew": [1.0, 0.0, 0.0, 0.0], "close": [0.9, 0.1, 0.9, 0.1]}
+    records = [r for name, rewards in groups.items() for r in _group(name, 0, 4, rewards)]
+    store.append_trajectories(records, app_id="f", txn_version=0)
+    store.append_usage([Usage(RUN, r.trajectory_id, 0, 1, 1.0, 0) for r in records], app_id="t", txn_version=0)
+    by_advantage = select_batch(store, RUN, 1, 2, ReplayPolicy(1, 1.0, 2, "advantage"))
+    assert list(dict.fromkeys(by_advantage.group_ids)) == ["skew", "close"]
+
+
 def test_replay_order_by_signal_weighs_the_spread_by_reuse_and_age(tmp_path: Path) -> None:
     store = DeltaTrajectoryStore(tmp_path)
     # at trainer version 2 (decays 0.5 per use, 0.9 per version), spread x weight:
-    #   "old_wide"   v0, used once:  0.5   * 0.5    * 0.81 = 0.2025
-    #   "new_narrow" v2, used once:  0.375 * 0.5    * 1    = 0.1875
-    #   "reused"     v2, used twice: 0.5   * 0.25   * 1    = 0.125
+    #   "old_wide"   v0, used once:  0.25   * 0.5    * 0.81 = 0.10125
+    #   "new_narrow" v2, used once:  0.1875 * 0.5    * 1    = 0.09375
+    #   "reused"     v2, used twice: 0.25   * 0.25   * 1    = 0.0625
     #   "flat"       v2, used once:  0 -> never replayed
     groups = {"old_wide": (0, [1.0, 0.0, 1.0, 0.0], 1), "new_narrow": (2, [1.0, 0.0, 0.0, 0.0], 1),
               "reused": (2, [0.0, 1.0, 0.0, 1.0], 2), "flat": (2, [1.0, 1.0, 1.0, 1.0], 1)}
@@ -248,7 +261,7 @@ def test_replay_order_by_signal_weighs_the_spread_by_reuse_and_age(tmp_path: Pat
     # the advantage order takes the spread alone (newer first among ties) and replays the flat group last
     advantage = select_batch(store, RUN, 2, 4, ReplayPolicy(2, 1.0, 3, "advantage"))
     assert list(dict.fromkeys(advantage.group_ids)) == ["reused", "old_wide", "new_narrow", "flat"]
-    # a steeper age decay (0.7 per version: 0.5 * 0.5 * 0.49 = 0.1225) puts the old group last
+    # a steeper age decay (0.7 per version: 0.25 * 0.5 * 0.49 = 0.06125) puts the old group last
     steep = select_batch(store, RUN, 2, 4, ReplayPolicy(2, 1.0, 3, "signal", staleness_decay=0.7))
     assert list(dict.fromkeys(steep.group_ids)) == ["new_narrow", "reused", "old_wide"]
 
