@@ -44,7 +44,7 @@ def test_ppo_is_the_clipped_surrogate_against_the_behaviour_policy() -> None:
 
 
 def test_decoupled_weights_each_token_by_its_capped_behaviour_ratio() -> None:
-    cfg = TrainConfig(is_weight_cap=2.0)
+    cfg = TrainConfig(is_weight_cap=2.0, is_level="token")
     logp = torch.log(torch.tensor([[0.5, 0.6]])).requires_grad_()
     behaviour = torch.log(torch.tensor([[0.1, 0.4]]))  # weights min(5, 2) = 2 and 1.5
     loss, capped = losses.get_policy_loss("decoupled")(_inputs(logp, behaviour, torch.tensor([-1.0])), cfg)
