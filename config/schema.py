@@ -273,8 +273,10 @@ class TrainConfig(_Section):
         "truncate", description="decoupled: above the cap, truncate the weight (TIS) or drop the token or "
         "sequence (mask: MIS, AReaL's code).")
     is_level: Literal["token", "sequence", "geometric"] = Field(
-        "token", description="decoupled: the behaviour importance weight per token, or per sequence as verl's "
-        "rollout correction offers it: 'sequence' exp(sum of the token log-ratios), 'geometric' exp(their mean).")
+        "geometric", description="decoupled: the behaviour importance weight per token, or per sequence as "
+        "verl's rollout correction offers it: 'sequence' exp(sum of the token log-ratios), 'geometric' exp(their "
+        "mean) (default: reflow's median data factor against sync 1.58, per token 1.33, on the data-efficiency "
+        "seeds; docs/benchmark.md).")
     minibatches_per_step: int = Field(
         1, ge=1, le=64, description="Optimiser steps per batch (PPO minibatches, split by tokens). Above 1 the "
         "trainer first recomputes the batch's log-probs under the step's starting weights, the proximal policy "
