@@ -17,7 +17,9 @@ Each figure comes from what the runs logged (``steps.jsonl``) and wrote
   (the loss tokens that went through forward and backward; samples with a
   zero advantage are skipped), over every step of every run; ``overhead_s``
   is the median of ``update_seconds`` minus the compute (reading the
-  batch, the usage log, the task run).
+  batch, the usage log, the task run); ``read_s`` the median
+  ``trainer_read_seconds`` of the streaming steps whose batch was not
+  prefetched (selected after the step before ended: read on the path).
 * **sharing the machine**: ``trainer.slowdown_while_generating`` is the
   median of measured over alone-predicted compute in the steps of the
   other modes (the trainer beside an engine); ``engine.slowdown_while_training``
@@ -35,10 +37,18 @@ Each figure comes from what the runs logged (``steps.jsonl``) and wrote
   policy a mode trains writes responses of its own lengths (one_step_off's
   averaged 44.5 tokens where sync's averaged 37.9, seed 0, 2026-12-04),
   and a simulator cannot learn, so each mode draws from its own runs.
+* **traces** (``bench_traces``): every group each run wrote, in
+  train-stream order. A simulation of that run replays them (simulated
+  group ``g`` is the run's group at stream position ``g``), so a sync round
+  waits for the same longest response its real round did; fitting the
+  streaming factors and ``--validate`` use them. The profile keeps a
+  sample of each run's groups, drawn at random, for simulations of other
+  runs.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 from collections import defaultdict
@@ -60,6 +70,9 @@ from reflow.bench.sim_profile import (
 from reflow.bench.simulate import STREAMING, config_path, mode_config, simulate
 from reflow.infra.run import load_record, read_steps
 from reflow.storage.delta_store import DeltaTrajectoryStore
+from reflow.storage.schema import stream_position
+
+TRACES = "traces.json.gz"  # bench_traces: the runs' workloads, kept beside bench.json
 
 
 def _median(values: list[float], default: float = 0.0) -> float:
@@ -86,14 +99,59 @@ def _subset(groups: list[list[tuple[int, float]]], most: int) -> MeasuredGroups:
 
 
 def _groups_of(run_dir: str) -> list[list[tuple[int, float]]]:
-    """(length, reward) of every sample of every group a run wrote."""
+    """(length, reward) of every sample of every group a run wrote, groups in train-stream order
+    (``_stream_order``) and samples by index."""
     record = load_record(run_dir)
     cols = DeltaTrajectoryStore(record.store_root).read_trajectories(run_id=record.run_id).select(
-        ["group_id", "response_length", "reward"]).to_pydict()
-    groups: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for gid, length, reward in zip(cols["group_id"], cols["response_length"], cols["reward"]):
-        groups[gid].append((int(length), float(reward)))
-    return list(groups.values())
+        ["group_id", "sample_index", "response_length", "reward"]).to_pydict()
+    groups: dict[str, list[tuple[int, int, float]]] = defaultdict(list)
+    for gid, k, length, reward in zip(cols["group_id"], cols["sample_index"], cols["response_length"], cols["reward"]):
+        groups[gid].append((int(k), int(length), float(reward)))
+    return [[(n, w) for _, n, w in sorted(groups[gid])] for gid in sorted(groups, key=_stream_order)]
+
+
+def _stream_order(group_id: str) -> tuple[int, str]:
+    """Where a group came in its run's prompt stream: ``<run>/g<position>/<prompt>`` (streaming), or
+    ``<run>/<step>/<prompt>`` (a round; its prompts in id order, which is stream order)."""
+    _, tag, prompt = group_id.split("/", 2)
+    return (stream_position(tag) if tag.startswith("g") else int(tag)), prompt
+
+
+def _trace(groups: list[list[tuple[int, float]]]) -> MeasuredGroups:
+    return MeasuredGroups(lengths=[[n for n, _ in g] for g in groups], rewards=[[w for _, w in g] for g in groups],
+                          ordered=True)
+
+
+def bench_traces(bench_dir: str | Path) -> dict[str, MeasuredGroups]:
+    """The workload each run of a bench generated, keyed ``mode:seed``: every group it wrote, lengths and rewards,
+    in train-stream order (``MeasuredGroups.ordered``), for a simulation of that run to replay.
+
+    Read from the runs' tables while their directories exist, and then kept beside bench.json as
+    ``traces.json.gz`` (written once), which is read when they are gone: bench.json and that file are what a
+    stored bench needs for ``--validate``. ValueError naming the first run that has neither.
+    """
+    bench_dir = Path(bench_dir)
+    stored = bench_dir / TRACES
+    if stored.is_file():
+        data = json.loads(gzip.decompress(stored.read_bytes()))
+        return {key: MeasuredGroups.model_validate(value) for key, value in data.items()}
+    traces = {}
+    for r in mode_bench.load_results(bench_dir):
+        if not Path(r.run_dir).is_dir():
+            raise ValueError(f"{bench_dir}: run {r.mode} seed {r.seed} is gone ({r.run_dir}) and there is no {TRACES}"
+                             " beside bench.json: the simulation needs the lengths that run generated")
+        traces[f"{r.mode}:{r.seed}"] = _trace(_groups_of(r.run_dir))
+    tmp = stored.with_name(stored.name + ".tmp")
+    tmp.write_bytes(gzip.compress(json.dumps({k: v.model_dump() for k, v in traces.items()},
+                                             separators=(",", ":")).encode(), mtime=0))
+    tmp.replace(stored)
+    return traces
+
+
+def with_traces(profile: SimProfile, traces: dict[str, MeasuredGroups]) -> SimProfile:
+    """``profile`` whose runs of those modes and seeds replay ``traces`` (``bench_traces``)."""
+    lengths = profile.lengths.model_copy(update={"by_run": {**profile.lengths.by_run, **traces}})
+    return profile.model_copy(update={"lengths": lengths})
 
 
 def calibrate(bench_dir: str | Path, seeds: list[int] | None = None, max_groups: int = 1000) -> SimProfile:
@@ -113,7 +171,7 @@ def calibrate(bench_dir: str | Path, seeds: list[int] | None = None, max_groups:
     compute: list[tuple[float, float]] = []  # (trained tokens, seconds): sync steps, the trainer alone
     shared: list[tuple[str, float, float]] = []  # the same beside generation (the other modes)
     overlapped: list[tuple[float, float, float, float, float]] = []  # one_step_off: (round features, overlap)
-    overhead, syncs, selects, writes, scores, records, residual = [], [], [], [], [], [], []
+    overhead, syncs, selects, writes, scores, records, residual, reads = [], [], [], [], [], [], [], []
     groups: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
     prompt_tokens: list[int] = []
     weight_bytes = 0
@@ -157,6 +215,8 @@ def calibrate(bench_dir: str | Path, seeds: list[int] | None = None, max_groups:
                 # what the flow spent beside its timed tasks (one_step_off's sync waits for the round)
                 rest = m["step_seconds"] - m["update_seconds"] - m["sync_weights_seconds"] - m.get("score_seconds", 0.0)
                 residual.append((r.mode, rest - (m.get("rollout_seconds", 0.0) if r.mode == "sync" else 0.0)))
+            if rec.step > 0 and m.get("trainer_batch_prefetched") == 0 and "trainer_read_seconds" in m:
+                reads.append(m["trainer_read_seconds"])  # streaming: the batch read on the step's path
             if "select_seconds" in m:
                 selects.append(m["select_seconds"])
                 records.append(m.get("previous_log_seconds", 0.0))
@@ -198,9 +258,10 @@ def calibrate(bench_dir: str | Path, seeds: list[int] | None = None, max_groups:
                           step_base_s=base, per_seq_s=per_seq, per_context_token_s=per_ctx, prefill_token_s=0.0,
                           weight_load_s=sync_s, slowdown_while_training=engine_slow),
         trainer=TrainerCost(source=f"{label}: least squares of {len(compute)} sync steps' compute seconds on "
-                            "trained tokens; overhead: median update_seconds minus compute; beside generation: "
+                            "trained tokens; overhead: median update_seconds minus compute; read: median trainer_read_seconds of the "
+                            "streaming steps whose batch was not prefetched; beside generation: "
                             f"median measured/predicted over {len(shared)} steps of the other modes",
-                            step_base_s=t0, token_s=per_token, overhead_s=_median(overhead),
+                            step_base_s=t0, token_s=per_token, overhead_s=_median(overhead), read_s=_median(reads),
                             slowdown_while_generating=trainer_slow, slowdown_by_mode=trainer_by_mode),
         sync=SyncCost(source=f"{label}: run.json weight_bytes; the copy's time is in the engine's weight load",
                       fixed_s=0.0, bytes=float(weight_bytes), bytes_per_s=1e12),
@@ -215,18 +276,21 @@ def calibrate(bench_dir: str | Path, seeds: list[int] | None = None, max_groups:
                         group_rewards=pooled.rewards, by_run=by_run),
         calibration={"rounds": len(rounds), "one_step_off_rounds": len(overlapped), "engine_fit_error_median": float(np.median(np.abs(fit - y) / y)),
                      "trainer_steps": len(compute), "bench": str(Path(bench_dir).resolve())})
-    return _fit_streaming(profile, Path(bench_dir), [r for r in results if r.mode in STREAMING])
+    return _fit_streaming(profile, Path(bench_dir), [r for r in results if r.mode in STREAMING],
+                          bench_traces(bench_dir))
 
 
 def _engine_rate(generated: list[float], busy: list[float]) -> float:
     return sum(generated) / max(sum(busy), 1e-9)
 
 
-def _fit_streaming(profile: SimProfile, bench_dir: Path, runs: list) -> SimProfile:
+def _fit_streaming(profile: SimProfile, bench_dir: Path, runs: list, traces: dict[str, MeasuredGroups]) -> SimProfile:
     """``engine.streaming_slowdown``: the simulated over the measured engine tokens per busy second of the
-    streaming runs, found by simulating them (two passes: the factor moves the concurrency the loops reach)."""
+    streaming runs, found by simulating them, each replaying its run's ``traces`` (two passes: the factor moves
+    the concurrency the loops reach)."""
     if not runs:
         return profile
+    replayed = with_traces(profile, traces)
     meta = json.loads((bench_dir / "bench.json").read_text()).get("meta", {})
     config, overrides = config_path(meta.get("config")), list(meta.get("overrides", []))
     equal_steps = meta.get("run_length") == "equal steps"
@@ -239,7 +303,7 @@ def _fit_streaming(profile: SimProfile, bench_dir: Path, runs: list) -> SimProfi
                                       for m in steps if m.get("engine_tokens_per_s")]))
     factors = {r.mode: 1.0 for r in runs}
     for _ in range(2):
-        trial = profile.model_copy(update={"engine": profile.engine.model_copy(
+        trial = replayed.model_copy(update={"engine": profile.engine.model_copy(
             update={"streaming_slowdown_by_mode": dict(factors)})})
         ratios: dict[str, list[float]] = defaultdict(list)
         for r, real in zip(runs, measured):
@@ -252,10 +316,11 @@ def _fit_streaming(profile: SimProfile, bench_dir: Path, runs: list) -> SimProfi
         "source": profile.engine.source + f"; streaming, per mode: simulated over measured engine tokens per busy "
                                           f"second of {len(runs)} streaming runs"})
     profile = profile.model_copy(update={"engine": engine})
+    replayed = replayed.model_copy(update={"engine": engine})
     # the engine's idle time the simulation lacks, per drain window: the calls between windows
     gaps = []
     for r, real_idle in zip(runs, idle):
-        sim = simulate(mode_config(config, overrides, r.mode, r.seed, equal_steps), profile, r.seed)
+        sim = simulate(mode_config(config, overrides, r.mode, r.seed, equal_steps), replayed, r.seed)
         sim_idle = sum(s.generator_idle(sim.engines) * s.step_seconds for s in sim.steps)
         gaps.append((real_idle - sim_idle) / max(sim.windows, 1))
     driver = profile.driver.model_copy(update={

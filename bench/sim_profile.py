@@ -68,6 +68,8 @@ class TrainerCost(_Part):
     token_s: float = Field(gt=0, description="seconds per trained (loss) token on one rank")
     overhead_s: float = Field(0.0, ge=0, description="per update call beyond the compute (reading the batch, "
                               "logging its use): on the step's path, not counted as trainer work")
+    read_s: float = Field(0.0, ge=0, description="streaming: reading a batch that was not prefetched (selected "
+                          "after the step before ended), on the step's path, not counted as trainer work")
     slowdown_while_generating: float = Field(1.0, ge=1.0, description="compute time factor of a step that runs "
                                              "while an engine generates (shared cores; 1 on GPUs)")
     slowdown_by_mode: dict[str, float] = Field(default_factory=dict, description="the same, measured per mode "
@@ -111,6 +113,9 @@ class MeasuredGroups(BaseModel):
 
     lengths: list[list[int]] = Field(min_length=1)
     rewards: list[list[float]] | None = None
+    ordered: bool = Field(False, description="a trace: group g of a simulation is the g-th group here (cycling), "
+                          "the run's groups in train-stream order, its samples in order; else a group drawn whole "
+                          "at random and its samples shuffled")
 
     @model_validator(mode="after")
     def _aligned(self) -> MeasuredGroups:
@@ -120,9 +125,11 @@ class MeasuredGroups(BaseModel):
             raise ValueError("rewards: one per measured length, group by group")
         return self
 
-    def draw(self, rng: np.random.Generator, samples: int) -> tuple[np.ndarray, np.ndarray]:
-        g = int(rng.integers(len(self.lengths)))
-        pick = [i % len(self.lengths[g]) for i in rng.permutation(samples)]
+    def draw(self, rng: np.random.Generator, samples: int, index: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``samples`` lengths and rewards of one group: the ``index``-th if ``ordered``, else a random one."""
+        g = index % len(self.lengths) if self.ordered else int(rng.integers(len(self.lengths)))
+        order = range(samples) if self.ordered else rng.permutation(samples)
+        pick = [i % len(self.lengths[g]) for i in order]
         lengths = np.asarray([self.lengths[g][i] for i in pick], dtype=np.int64)
         if self.rewards is not None:
             return lengths, np.asarray([self.rewards[g][i] for i in pick], dtype=float)
@@ -169,12 +176,13 @@ class Lengths(_Part):
             return MeasuredGroups(lengths=self.groups, rewards=self.group_rewards)
         return None
 
-    def group(self, rng: np.random.Generator, samples: int,
-              measured: MeasuredGroups | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Response lengths and rewards of one group of ``samples``: a group of ``measured`` drawn whole, or
-        modelled: log-normal lengths, a uniform pass rate and Bernoulli rewards."""
+    def group(self, rng: np.random.Generator, samples: int, measured: MeasuredGroups | None = None,
+              index: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Response lengths and rewards of group ``index`` (its train-stream position) of ``samples``: a group of
+        ``measured`` (``MeasuredGroups.draw``), or modelled: log-normal lengths, a uniform pass rate and Bernoulli
+        rewards."""
         if measured is not None:
-            return measured.draw(rng, samples)
+            return measured.draw(rng, samples, index)
         if self.groups is not None:
             return MeasuredGroups(lengths=self.groups, rewards=self.group_rewards).draw(rng, samples)
         # the p50 and p99 of lengths are those of a log-normal whose sigma mixes the group's and the sample's

@@ -141,7 +141,7 @@ class EnginePool:
     def group_lengths(self, g: int) -> np.ndarray:
         """The response lengths of group ``g``'s samples (drawn with its rewards the first time it is asked)."""
         if g not in self.lengths_of:
-            lengths, self.rewards[g] = self.lengths.group(self.rng, self.samples, self.measured)
+            lengths, self.rewards[g] = self.lengths.group(self.rng, self.samples, self.measured, g)
             self.lengths_of[g] = np.minimum(lengths, self.max_response_tokens)
         return self.lengths_of[g]
 
@@ -447,6 +447,7 @@ class _Selector:
         self.done: dict[int, _Update] = {}
         self.last_record = 0.0
         self.seen_busy, self.seen_tokens = 0.0, 0
+        self.prefetched: ReplaySelection | None = None
 
     def select(self, step: int, trainer_version: int) -> ReplaySelection:
         self.sched.sleep(self.profile.driver.select_s)
@@ -457,7 +458,7 @@ class _Selector:
         return tuple(sorted({int(g[1:]) for g, k in zip(selection.group_ids, selection.kinds) if k != "replay"}))
 
     def prefetch(self, selection: ReplaySelection) -> None:
-        return None
+        self.prefetched = selection  # read while the step before computes: off the next step's path
 
     def start_train(self, step: int, selection: ReplaySelection) -> _Update:
         self.buffer.record_usage(selection)
@@ -469,7 +470,8 @@ class _Selector:
         seconds = self.profile.trainer.step_s(share, self.cfg.resources.trainer_ranks) \
             * self.profile.trainer.slowdown(self.cfg.mode.kind) + self._helper_transfer_s(helpers)
         self.run.helper_steps += helpers > 0
-        begin = max(self.sched.now(), self.trainer_free) + self.profile.trainer.overhead_s
+        read = 0.0 if selection is self.prefetched else self.profile.trainer.read_s
+        begin = max(self.sched.now(), self.trainer_free) + self.profile.trainer.overhead_s + read
         self.trainer_free = begin + seconds
         self.pool.training.append((begin, self.trainer_free))
         return _Update(step, selection, self.trainer_free, seconds, tokens)

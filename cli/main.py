@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--bench", metavar="DIR", help="a reflow bench output: estimate time to target as its new "
                      "samples to target over the simulated rate of new samples")
     sim.add_argument("--validate", metavar="BENCH_DIR", help="simulate every mode and seed of a reflow bench "
-                     "output with its config and print the relative error of each figure (exit 1 if any is "
-                     "over 15%%)")
+                     "output with its config, each run replaying the response lengths and rewards its real run "
+                     "generated (kept as BENCH_DIR/traces.json.gz), and print the relative error of each figure "
+                     "(exit 1 if any is over 15%%)")
     sim.add_argument("--calibrate", metavar="BENCH_DIR", help="fit a CPU profile to a reflow bench output's runs "
                      "and write it to --output FILE.json")
     _add_output_arg(sim, "where sim.json and sim.png go (with --calibrate: the profile file)", required=True)

@@ -30,7 +30,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise InputError(str(exc)) from exc
         save_profile(profile, out)
-        print(profile.model_dump_json(indent=1, exclude={"lengths": {"groups", "group_rewards"}}))
+        print(profile.model_dump_json(indent=1, exclude={"lengths": {"groups", "group_rewards", "by_run"}}))
         print(f"profile: {out}")
         return 0
     if out.exists() and not out.is_dir():
@@ -67,6 +67,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     configs = [(m, s, mode_config(config, overrides, m, s, equal_steps)) for m, s in pairs]
     try:
         profile = load_profile(args.profile or DEFAULT_PROFILE)
+        if args.validate:  # each run replays the lengths and rewards its real run generated
+            from reflow.bench.sim_calibrate import bench_traces, with_traces
+
+            profile = with_traces(profile, bench_traces(_bench_dir(args.validate)))
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     results = _run_all(configs, profile)

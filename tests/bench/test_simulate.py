@@ -182,6 +182,17 @@ def test_streaming_modes_run_the_real_loops_within_their_bounds_and_repeat_exact
     assert [s.step_seconds for s in other.steps] != [s.step_seconds for s in run.steps]
 
 
+def test_a_batch_not_prefetched_is_read_on_the_trainers_path() -> None:
+    """``trainer.read_s`` delays a step whose batch the selector chose after the step before ended, and no other:
+    the run is longer, by less than ``read_s`` a step, and its trainer idles more."""
+    prof = profile([[3, 9, 4, 30], [12, 12, 2, 5]], [[1, 0, 1, 0], [1, 1, 0, 1]], base=0.005, per_seq=0.0002,
+                   token_s=0.0005, trainer_base=0.05)
+    slow = prof.model_copy(update={"trainer": prof.trainer.model_copy(update={"read_s": 0.2})})
+    runs = [summarise(simulate(small("reflow"), p, 0)) for p in (prof, slow)]
+    extra, steps = runs[1].wall_s - runs[0].wall_s, small("reflow").planned_steps()
+    assert 0.0 < extra < 0.2 * steps and runs[1].trainer_idle > runs[0].trainer_idle
+
+
 def test_more_engines_make_more_samples_when_generation_is_the_bottleneck() -> None:
     prof = profile([[30, 60, 90, 120]], [[1, 0, 1, 0]], base=0.02, per_seq=0.001, token_s=1e-5)
     rates = [summarise(simulate(small("async", **{"resources.engines": str(n)}), prof, 0)).new_samples_per_s
@@ -309,7 +320,7 @@ def _synthetic_bench(root, engine=(0.004, 2e-4, 1e-6), trainer=(0.3, 5e-4), slow
                     n = int(lengths[g, k])
                     rows.append(Trajectory(
                         trajectory_id=f"{mode}/{step}/{g}/{k}", run_id=mode, prompt_id=f"p{step}-{g}",
-                        group_id=f"{mode}/{step}/{g}", sample_index=k, env="arith", rollout_step=step,
+                        group_id=f"{mode}/g{step * 4 + g}/p{step}-{g}", sample_index=k, env="arith", rollout_step=step,
                         policy_version=step, prompt_tokens=[1] * prompts, response_tokens=[5] * n,
                         behaviour_logprobs=[-0.1] * n, token_versions=[step] * n, loss_mask=[1] * n,
                         reward=float(rewards[g, k]), correct=False, finish_reason="stop", response_length=n))
@@ -325,7 +336,8 @@ def _synthetic_bench(root, engine=(0.004, 2e-4, 1e-6), trainer=(0.3, 5e-4), slow
             if mode != "async":
                 m |= {"rollout_seconds": rollout, "sync_weights_seconds": 0.08, "score_seconds": 0.12}
             else:
-                m |= {"select_seconds": 0.02, "write_seconds": 0.09, "writes": 3, "generated_tokens": tokens,
+                m |= {"trainer_batch_prefetched": float(step % 2), "trainer_read_seconds": 0.07 * (1 - step % 2),
+                      "select_seconds": 0.02, "write_seconds": 0.09, "writes": 3, "generated_tokens": tokens,
                       "engine_tokens_per_s": 900.0, "generator_idle_fraction": 0.1, "concurrency_target": 64}
             lines.append(_json.dumps({"step": step, "policy_version": step + 1, "elapsed_s": 3.0 * (step + 1),
                                       "metrics": m}))
@@ -342,7 +354,7 @@ def _synthetic_bench(root, engine=(0.004, 2e-4, 1e-6), trainer=(0.3, 5e-4), slow
 
 
 def test_calibration_recovers_the_cost_models_the_runs_followed(tmp_path) -> None:
-    from reflow.bench.sim_calibrate import calibrate
+    from reflow.bench.sim_calibrate import bench_traces, calibrate, with_traces
 
     prof = calibrate(_synthetic_bench(tmp_path))
     e, t = prof.engine, prof.trainer
@@ -352,15 +364,62 @@ def test_calibration_recovers_the_cost_models_the_runs_followed(tmp_path) -> Non
     assert e.weight_load_s == pytest.approx(0.08) and prof.driver.write_s == pytest.approx(0.03)
     assert prof.driver.select_s == pytest.approx(0.02) and prof.driver.round_score_s == pytest.approx(0.12)
     assert t.overhead_s == pytest.approx(0.05) and prof.sync.bytes == 4096
+    assert t.read_s == pytest.approx(0.07)  # the steps whose batch was not prefetched (after the first)
     assert len(prof.lengths.groups) == 3 * 8 * 4 and prof.lengths.prompt_tokens == pytest.approx(7)
     assert all(len(g) == 4 for g in prof.lengths.groups)
     assert set(prof.lengths.by_run) == {"sync:0", "one_step_off:0", "async:0"}
     assert len(prof.lengths.by_run["sync:0"].lengths) == 8 * 4  # a run's own groups, each whole
-    # the streaming engine: simulated with the fitted profile, the async run's engine makes the measured 900
-    # tokens per busy second
-    sim = simulate(mode_config(None, SYNTHETIC_SETS, "async", 0, equal_steps=False), prof, 0)
+    # the streaming engine: simulated with the fitted profile, replaying the run's groups, the async run's engine
+    # makes the measured 900 tokens per busy second
+    sim = simulate(mode_config(None, SYNTHETIC_SETS, "async", 0, equal_steps=False),
+                   with_traces(prof, bench_traces(tmp_path)), 0)
     rate = sum(s.generated_tokens for s in sim.steps) / sum(s.engine_busy_s for s in sim.steps)
     assert rate == pytest.approx(900.0, rel=0.05) and e.streaming_slowdown_by_mode["async"] > 1.0
+
+
+def test_a_bench_trace_is_every_group_in_stream_order_and_outlives_the_runs(tmp_path) -> None:
+    """``bench_traces`` reads each run's groups in train-stream order (samples by index), keeps them beside
+    bench.json, reads that file once the runs are gone, and names the run when it has neither."""
+    import shutil
+
+    from reflow.bench.sim_calibrate import TRACES, bench_traces
+    from reflow.infra.run import load_record
+    from reflow.storage.delta_store import DeltaTrajectoryStore
+
+    root = _synthetic_bench(tmp_path)
+    traces = bench_traces(root)
+    assert set(traces) == {"sync:0", "one_step_off:0", "async:0"} and (root / TRACES).is_file()
+    record = load_record(str(root / "runs" / "sync"))
+    cols = DeltaTrajectoryStore(record.store_root).read_trajectories(run_id="sync").to_pydict()
+    by_row = {(gid, k): n for gid, k, n in zip(cols["group_id"], cols["sample_index"], cols["response_length"])}
+    sync = traces["sync:0"]
+    assert sync.ordered and len(sync.lengths) == 8 * 4
+    for position in (0, 5, 31):  # group g<position> of the stream, step position // 4
+        gid = f"sync/g{position}/p{position // 4}-{position % 4}"
+        assert sync.lengths[position] == [by_row[(gid, k)] for k in range(4)]
+    shutil.rmtree(root / "runs")
+    assert bench_traces(root) == traces
+    (root / TRACES).unlink()
+    with pytest.raises(ValueError, match=r"run sync seed 0 is gone .* no traces.json.gz"):
+        bench_traces(root)
+
+
+def test_a_simulated_run_replays_its_trace_group_by_group() -> None:
+    """With an ordered trace, simulated group g is the trace's g-th group (cycling), samples in order: a sync
+    run of two steps of two groups generates exactly the first four groups' tokens, cut at the response limit."""
+    from reflow.bench.sim_profile import MeasuredGroups
+
+    lengths = [[3, 5], [7, 400], [2, 2], [9, 1], [50, 50]]
+    trace = MeasuredGroups(lengths=lengths, rewards=[[1, 0], [0, 0], [1, 1], [0, 1], [1, 0]], ordered=True)
+    rng = np.random.default_rng(0)
+    assert [trace.draw(rng, 2, g)[0].tolist() for g in (0, 1, 5, 6)] == [[3, 5], [7, 400], [3, 5], [7, 400]]
+    assert trace.draw(rng, 3, 3)[0].tolist() == [9, 1, 9] and trace.draw(rng, 2, 4)[1].tolist() == [1.0, 0.0]
+    prof = profile([[1, 1]])
+    prof = prof.model_copy(update={"lengths": prof.lengths.model_copy(update={"by_run": {"sync:0": trace}})})
+    sets = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "run.total_steps=2",
+            "rollout.max_response_tokens=320"]
+    sim = simulate(mode_config(None, sets, "sync", 0, equal_steps=False), prof, 0)
+    assert [s.generated_tokens for s in sim.steps] == [3 + 5 + 7 + 320, 2 + 2 + 9 + 1]
 
 
 def test_calibration_without_a_sync_run_says_so(tmp_path) -> None:
@@ -384,13 +443,14 @@ BENCH_FIXTURE = PACKAGE / "tests" / "fixtures" / "sim"
 
 @pytest.mark.slow
 def test_the_cpu_profile_reproduces_the_stored_bench(tmp_path, capsys) -> None:
-    """``reflow simulate --validate`` on the stored bench (configs/bench.toml, seeds 0 and 1, 2026-12-04) with the
-    CPU profile calibrated on its seed-0 runs (docs/simulation.md "Validation").
+    """``reflow simulate --validate`` on the stored bench (configs/bench.toml, seeds 0 and 1, 2026-12-05, each run
+    replaying its stored trace) with the CPU profile calibrated on its seed-0 runs (docs/simulation.md
+    "Validation").
 
     The bounds are what the model reaches, kept so a change that makes it worse fails: on the calibration seed,
-    times and rates within the issue's 15%, and shares of the step within 15% or 4.5 points; on the held-out seed, whose
-    runs met a machine 9% (engine) to 20% (trainer) faster than the seed-0 runs did, within 35%, and 15% or
-    6 points.
+    times and rates within the issue's 15%, and shares of the step within 15% or 3.5 points; on the held-out seed,
+    whose sync run generated 20% faster than the seed-0 fit says for the same rounds, within 25%, and 15% or
+    6.5 points.
     """
     code = main(["simulate", "--validate", str(BENCH_FIXTURE), "--profile", str(DEFAULT_PROFILE),
                  "--output", str(tmp_path / "v")])
@@ -403,9 +463,9 @@ def test_the_cpu_profile_reproduces_the_stored_bench(tmp_path, capsys) -> None:
     for r in validation["rows"]:
         label = f"{r['mode']} s{r['seed']} {r['figure']}: {r['error']:.0%}"
         if r["points"] is not None:
-            assert r["error"] <= 0.15 or r["points"] <= (0.045 if r["seed"] == 0 else 0.06), label
+            assert r["error"] <= 0.15 or r["points"] <= (0.035 if r["seed"] == 0 else 0.065), label
         else:
-            assert r["error"] <= (0.15 if r["seed"] == 0 else 0.35), label
+            assert r["error"] <= (0.15 if r["seed"] == 0 else 0.25), label
 
 
 @pytest.mark.parametrize("bottleneck", ["trainer", "engines"])
