@@ -34,8 +34,8 @@ Each figure comes from what the runs logged (``steps.jsonl``) and wrote
 * **lengths**: the groups the calibration runs wrote, lengths and rewards
   together (a hard prompt is both long and wrong in every sample, and such
   a group costs generation and no training), pooled and per mode: the
-  policy a mode trains writes responses of its own lengths (one_step_off's
-  averaged 44.5 tokens where sync's averaged 37.9, seed 0, 2026-12-04),
+  policy a mode trains writes responses of its own lengths (async's
+  averaged 44.2 tokens where sync's averaged 37.9, seed 0, 2026-12-05),
   and a simulator cannot learn, so each mode draws from its own runs.
 * **traces** (``bench_traces``): every group each run wrote, in
   train-stream order. A simulation of that run replays them (simulated
@@ -328,3 +328,30 @@ def _fit_streaming(profile: SimProfile, bench_dir: Path, runs: list, traces: dic
         "source": profile.driver.source + "; window gap: the streaming runs' engine idle seconds the simulation "
                                           "lacks, per drain window (median over the runs)"})
     return profile.model_copy(update={"driver": driver})
+
+
+def engine_check(profile: SimProfile, figures: dict) -> list[dict]:
+    """The profile's engine step against ``reflow bench-engine``'s (its ``bench_engine.json``): at each measured
+    number of running sequences ``c``, the modelled tokens per second ``c / step_s(c, context)`` beside the
+    measured ones, the engine alone as in that bench.
+
+    A sequence's context is the prompt plus, on average, half of a length-biased response (a running set that
+    replaces every finished request holds long responses for longer): ``prompt + E[L^2] / (2 E[L])`` over the
+    profile's pooled groups. The bench's steps include admitting new requests; the model's prefill term is the
+    profile's. ValueError if the figures have no points or the profile no measured groups.
+    """
+    points = figures.get("points") or []
+    if not points or profile.lengths.groups is None:
+        raise ValueError("engine check: needs bench_engine.json points and a profile with measured groups")
+    lengths = np.asarray([n for g in profile.lengths.groups for n in g], float)
+    context = profile.lengths.prompt_tokens + float(np.mean(lengths ** 2) / (2 * np.mean(lengths)))
+    rows = []
+    for p in points:
+        c = int(p["concurrency"])
+        step = profile.engine.step_s(c, c * context, c / max(float(np.mean(lengths)), 1.0)
+                                     * profile.lengths.prompt_tokens)
+        modelled = c / step
+        rows.append({"concurrency": c, "measured_tokens_per_s": p["tokens_per_s"], "modelled_tokens_per_s": modelled,
+                     "measured_step_ms": p["step_ms_median"], "modelled_step_ms": 1000 * step,
+                     "error": abs(modelled - p["tokens_per_s"]) / max(p["tokens_per_s"], 1e-9)})
+    return rows

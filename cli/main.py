@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "output with its config, each run replaying the response lengths and rewards its real run "
                      "generated (kept as BENCH_DIR/traces.json.gz), and print the relative error of each figure "
                      "(exit 1 if any is over 15%%)")
+    sim.add_argument("--check-engine", metavar="DIR", help="compare the profile's engine step with a reflow "
+                     "bench-engine output (DIR/bench_engine.json): modelled against measured tokens/s at each "
+                     "number of running sequences, written to --output DIR/engine_check.json")
     sim.add_argument("--calibrate", metavar="BENCH_DIR", help="fit a CPU profile to a reflow bench output's runs "
                      "and write it to --output FILE.json")
     _add_output_arg(sim, "where sim.json and sim.png go (with --calibrate: the profile file)", required=True)

@@ -35,6 +35,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     if out.exists() and not out.is_dir():
         raise InputError(f"--output: {str(out)!r} exists and is not a directory")
+    if args.check_engine:
+        return _check_engine(args, out)
     from reflow.bench import mode_bench, sim_report
     from reflow.bench.simulate import config_path
 
@@ -89,6 +91,31 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print("\n" + sim_report.validation_table(validation))
     print(f"\nsim.json: {out / 'sim.json'}\nplot: {out / 'sim.png'}", flush=True)
     return 0 if validation is None or validation["passed"] else 1
+
+
+def _check_engine(args: argparse.Namespace, out: Path) -> int:
+    """``--check-engine DIR``: the profile's engine step against a ``reflow bench-engine --output DIR``."""
+    from reflow.bench.sim_calibrate import engine_check
+    from reflow.bench.sim_profile import load_profile
+
+    path = Path(args.check_engine)
+    path = path if path.suffix == ".json" else path / "bench_engine.json"
+    try:
+        figures = json.loads(path.read_text())
+        rows = engine_check(load_profile(args.profile or DEFAULT_PROFILE), figures)
+    except OSError as exc:
+        raise InputError(f"--check-engine: cannot read {path} ({exc.strerror}); run reflow bench-engine --output "
+                         f"{args.check_engine} first") from exc
+    except (ValueError, KeyError) as exc:
+        raise InputError(f"--check-engine {path}: {exc}") from exc
+    print(f"{'running':>8} {'measured tok/s':>15} {'modelled tok/s':>15} {'step ms':>8} {'modelled':>9} {'error':>6}")
+    for r in rows:
+        print(f"{r['concurrency']:>8} {r['measured_tokens_per_s']:>15.0f} {r['modelled_tokens_per_s']:>15.0f} "
+              f"{r['measured_step_ms']:>8.1f} {r['modelled_step_ms']:>9.1f} {r['error']:>6.0%}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_check.json").write_text(json.dumps({"bench_engine": str(path), "rows": rows}, indent=2))
+    print(f"\nengine_check.json: {out / 'engine_check.json'}")
+    return 0
 
 
 def _bench_dir(path: str) -> Path:

@@ -518,3 +518,30 @@ def test_the_scheduler_reads_the_engines_wait_as_the_real_feeder_reports_it(monk
     idle = summarise(run).generator_idle
     assert 0.3 < idle < 0.9 and len(waits) >= 5  # engines busy a third of the time: eight of them sum past 1
     assert statistics.fmean(waits) == pytest.approx(idle, abs=0.1), (waits, idle)
+
+
+def test_the_engine_check_compares_the_modelled_step_with_bench_engine(tmp_path, capsys) -> None:
+    """``reflow simulate --check-engine``: modelled tokens/s ``c / step_s`` at each measured concurrency, the
+    context a length-biased half response (lengths 2 and 6: prompt 4 + E[L^2] / (2 E[L]) = 4 + 20 / 8 = 6.5 tokens)."""
+    import json as _json
+
+    from reflow.bench.sim_calibrate import engine_check
+
+    prof = profile([[2, 6]], base=0.004, per_seq=0.001)
+    prof = prof.model_copy(update={"engine": prof.engine.model_copy(update={"per_context_token_s": 1e-5})})
+    step = lambda c: 0.004 + 0.001 * c + 1e-5 * 6.5 * c  # noqa: E731
+    figures = {"points": [{"concurrency": c, "tokens_per_s": c / step(c) * f, "step_ms_median": 1000 * step(c)}
+                          for c, f in ((8, 1.0), (64, 0.5))]}
+    rows = engine_check(prof, figures)
+    assert [r["modelled_tokens_per_s"] for r in rows] == pytest.approx([8 / step(8), 64 / step(64)])
+    assert [r["error"] for r in rows] == pytest.approx([0.0, 1.0])
+    (tmp_path / "bench_engine.json").write_text(_json.dumps(figures))
+    path = tmp_path / "p.json"
+    from reflow.bench.sim_profile import save_profile
+
+    save_profile(prof, path)
+    assert main(["simulate", "--check-engine", str(tmp_path), "--profile", str(path), "--output",
+                 str(tmp_path / "out")]) == 0
+    assert "      64" in capsys.readouterr().out and (tmp_path / "out" / "engine_check.json").is_file()
+    assert main(["simulate", "--check-engine", str(tmp_path / "none"), "--output", str(tmp_path / "o2")]) == 2
+    assert "run reflow bench-engine --output" in capsys.readouterr().err
