@@ -293,7 +293,7 @@ def _fit_streaming(profile: SimProfile, bench_dir: Path, runs: list, traces: dic
     replayed = with_traces(profile, traces)
     meta = json.loads((bench_dir / "bench.json").read_text()).get("meta", {})
     config, overrides = config_path(meta.get("config")), list(meta.get("overrides", []))
-    equal_steps = meta.get("run_length") == "equal steps"
+    equal_steps, text = meta.get("run_length") == "equal steps", meta.get("config_text")
     measured, idle = [], []
     for r in runs:
         steps = [s.metrics for s in read_steps(r.run_dir)]
@@ -307,7 +307,7 @@ def _fit_streaming(profile: SimProfile, bench_dir: Path, runs: list, traces: dic
             update={"streaming_slowdown_by_mode": dict(factors)})})
         ratios: dict[str, list[float]] = defaultdict(list)
         for r, real in zip(runs, measured):
-            sim = simulate(mode_config(config, overrides, r.mode, r.seed, equal_steps), trial, r.seed)
+            sim = simulate(mode_config(config, overrides, r.mode, r.seed, equal_steps, text), trial, r.seed)
             rate = _engine_rate([s.generated_tokens for s in sim.steps], [s.engine_busy_s for s in sim.steps])
             ratios[r.mode].append(rate / max(real, 1e-9))
         factors = {mode: max(1.0, factors[mode] * _median(values, 1.0)) for mode, values in ratios.items()}
@@ -320,7 +320,7 @@ def _fit_streaming(profile: SimProfile, bench_dir: Path, runs: list, traces: dic
     # the engine's idle time the simulation lacks, per drain window: the calls between windows
     gaps = []
     for r, real_idle in zip(runs, idle):
-        sim = simulate(mode_config(config, overrides, r.mode, r.seed, equal_steps), replayed, r.seed)
+        sim = simulate(mode_config(config, overrides, r.mode, r.seed, equal_steps, text), replayed, r.seed)
         sim_idle = sum(s.generator_idle(sim.engines) * s.step_seconds for s in sim.steps)
         gaps.append((real_idle - sim_idle) / max(sim.windows, 1))
     driver = profile.driver.model_copy(update={

@@ -651,15 +651,17 @@ class _Round:
     generated: int | None = None  # tokens sampled in the round (SortedRL: resumed prefixes left out; None: all)
 
 
-def mode_config(config: str | None, overrides: list[str], mode: str, seed: int, equal_steps: bool) -> ReflowConfig:
+def mode_config(config: str | None, overrides: list[str], mode: str, seed: int, equal_steps: bool,
+                config_text: str | None = None) -> ReflowConfig:
     """The config ``reflow bench`` gives row ``mode`` and ``seed`` (``flows.bench.bench_mode``; a SortedRL row is
-    mode ``sync`` with its ``rollout.scheduling``)."""
+    mode ``sync`` with its ``rollout.scheduling``). ``config_text``: the file as the bench read it (its
+    bench.json's ``meta.config_text``), instead of the file as it is now."""
     kind, scheduling = mode_bench.ROWS[mode]
     rows = [f"mode.kind={json.dumps(kind)}", f"rollout.scheduling={json.dumps(scheduling)}", f"run.seed={seed}"]
     if not equal_steps:
-        cfg = load_config(config, [*overrides, *rows])
+        cfg = load_config(config, [*overrides, *rows], text=config_text)
         rows += mode_bench.equal_data(cfg.run.total_steps, cfg.rollout.prompts_per_step, cfg.fresh_groups_per_step())
-    return load_config(config, [*overrides, *rows])
+    return load_config(config, [*overrides, *rows], text=config_text)
 
 
 def config_path(path: str | None) -> str | None:

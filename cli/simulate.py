@@ -52,6 +52,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                                                               *args.overrides]
         pairs = [(r.mode, r.seed) for r in bench if r.mode in SIMULATED]
         equal_steps = meta.get("run_length") == "equal steps"
+        text = None if args.config else meta.get("config_text")  # the file as the runs read it
         if not pairs:
             raise InputError(f"--validate: the bench has none of the simulated modes ({', '.join(SIMULATED)})")
     else:
@@ -62,11 +63,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         seeds = int_list(args.seeds or "0", "--seeds")
         if not seeds:
             raise InputError("--seeds: give at least one seed")
-        config, overrides, equal_steps = args.config, args.overrides, args.equal_steps
+        config, overrides, equal_steps, text = args.config, args.overrides, args.equal_steps, None
         pairs = [(m, s) for s in seeds for m in modes]
     from reflow.bench.simulate import mode_config
 
-    configs = [(m, s, mode_config(config, overrides, m, s, equal_steps)) for m, s in pairs]
+    configs = [(m, s, mode_config(config, overrides, m, s, equal_steps, text)) for m, s in pairs]
     try:
         profile = load_profile(args.profile or DEFAULT_PROFILE)
         if args.validate:  # each run replays the lengths and rewards its real run generated

@@ -72,14 +72,22 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ReflowConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
+                text: str | None = None) -> ReflowConfig:
     """Read a TOML file (or nothing: defaults), apply ``key.path=value`` overrides, validate.
 
-    Raises ConfigError with a message that names the field path and what was expected.
+    ``text``: the file's contents as stored when it was read (a bench.json keeps the text its runs read), used
+    instead of reading ``path``. Raises ConfigError with a message that names the field path and what was expected.
     """
     tree: dict[str, Any] = {}
     source = "defaults"
-    if path is not None:
+    if text is not None:
+        source = f"{path or 'config'} (as stored)"
+        try:
+            tree = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config {source!r} is not valid TOML: {exc}") from exc
+    elif path is not None:
         source = str(path)
         p = Path(path)
         if not p.is_file():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -298,8 +298,12 @@ class ToolsConfig(_Section):
                                       "(more wait in a queue; generation of other requests goes on).")
 
 
+ModeKind = Literal["sync", "one_step_off", "async", "reflow"]
+MODE_KINDS: tuple[str, ...] = get_args(ModeKind)
+
+
 class ModeConfig(_Section):
-    kind: Literal["sync", "one_step_off", "async", "reflow"] = Field(
+    kind: ModeKind = Field(
         "sync", description="Orchestration mode: 'sync' generates the whole batch, then trains (verl's default); "
                             "'one_step_off' generates batch k+1 while training on batch k (staleness 1); "
                             "'async' streams rollouts into the buffer and trains on whatever is ready within "
@@ -311,7 +315,9 @@ class BufferConfig(_Section):
     """The staleness-bounded replay buffer over Delta (modes async and reflow)."""
 
     max_staleness_versions: int = Field(2, ge=0, le=1000, description="Trainer version minus the version that "
-                                        "generated a sample's oldest token never exceeds this.")
+                                        "generated a sample's oldest token never exceeds this. An integer, or a "
+                                        "table by mode that names all four (`{sync = 8, one_step_off = 8, async = 4, "
+                                        "reflow = 8}`): the run takes its mode's entry.")
     replay_ratio: float = Field(0.5, ge=0, le=0.95, description="reflow: largest share of a batch, in samples, "
                                 "taken from already-trained trajectories (async always uses 0).")
     max_reuse: int = Field(2, ge=1, le=100, description="reflow: most times one trajectory is trained on "
@@ -495,6 +501,31 @@ class ReflowConfig(_Section):
                 continue
             out[section] = {**(given or {}), key: value}
         return out
+
+    @model_validator(mode="before")
+    @classmethod
+    def _staleness_by_mode(cls, data: Any) -> Any:
+        """``buffer.max_staleness_versions`` given as a table by mode: the entry of the run's mode (a bench runs
+        every mode from one file, and the bound that measured best differs by mode: docs/benchmark.md)."""
+        buffer = data.get("buffer") if isinstance(data, dict) else None
+        table = buffer.get("max_staleness_versions") if isinstance(buffer, dict) else None
+        if not isinstance(table, dict):
+            return data
+        field = "buffer.max_staleness_versions"
+        unknown = sorted(set(table) - set(MODE_KINDS))
+        if unknown:
+            raise ValueError(f"{field}: unknown mode {unknown[0]!r} in the table (modes: {', '.join(MODE_KINDS)})")
+        missing = [m for m in MODE_KINDS if m not in table]
+        if missing:
+            raise ValueError(f"{field}: the table has no entry for {', '.join(missing)} (give all four modes, or "
+                             "one integer for every mode)")
+        for mode, value in table.items():
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1000:
+                raise ValueError(f"{field}.{mode}: expected an integer from 0 to 1000 (got {value!r})")
+        kind = (data.get("mode") or {}).get("kind", ModeConfig.model_fields["kind"].default)
+        if kind not in table:
+            return data  # an unknown mode: the field check of mode.kind names it
+        return {**data, "buffer": {**buffer, "max_staleness_versions": table[kind]}}
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ReflowConfig":

@@ -77,6 +77,7 @@ def bench_flow(config: str | None, set: list[str], modes: list[Mode], seeds: lis
             (--equal-steps).
     """
     overrides, out, target, equal_data = set, output, target_accuracy, not equal_steps
+    config_text = Path(config).read_text() if config else None  # kept in bench.json: what the runs read
     Path(out).mkdir(parents=True, exist_ok=True)
     results: list[mode_bench.ModeResult] = []
     for seed in seeds:
@@ -90,7 +91,8 @@ def bench_flow(config: str | None, set: list[str], modes: list[Mode], seeds: lis
             mode_bench.default_target(sync) if sync else max(r.baseline_accuracy for r in results if r.seed == seed) + 0.1)
     results = [mode_bench.with_target(r, targets[r.seed]) for r in results]
     summary = mode_bench.aggregate(results)
-    meta = {"config": config, "overrides": overrides, "modes": modes, "seeds": seeds, "targets": targets,
+    meta = {"config": config, "config_text": config_text,
+            "overrides": overrides, "modes": modes, "seeds": seeds, "targets": targets,
             "target_rule": "given" if target is not None else "warm-start + 75% of sync's gain (per seed)",
             "smooth_evals": smooth_evals,
             "run_length": "equal data (run.total_steps batches of new groups)" if equal_data else "equal steps"}

@@ -19,7 +19,7 @@ from reflow.bench.sim_profile import (
     load_profile,
 )
 from reflow.bench.sim_report import aggregate, summarise, validate
-from reflow.bench.simulate import EnginePool, mode_config, simulate
+from reflow.bench.simulate import EnginePool, config_path, mode_config, simulate
 from reflow.cli.main import main
 from reflow.cli.simulate import DEFAULT_PROFILE, PACKAGE
 from reflow.config.load import load_config
@@ -545,3 +545,16 @@ def test_the_engine_check_compares_the_modelled_step_with_bench_engine(tmp_path,
     assert "      64" in capsys.readouterr().out and (tmp_path / "out" / "engine_check.json").is_file()
     assert main(["simulate", "--check-engine", str(tmp_path / "none"), "--output", str(tmp_path / "o2")]) == 2
     assert "run reflow bench-engine --output" in capsys.readouterr().err
+
+
+def test_a_stored_bench_is_simulated_with_the_config_its_runs_read() -> None:
+    """bench.json keeps the text of the config file; configs/bench.toml has changed since the stored bench ran
+    (async's staleness bound went from 8 to 4), and its async runs are simulated at the 8 they ran with."""
+    import json
+
+    meta = json.loads((BENCH_FIXTURE / "bench.json").read_text())["meta"]
+    config = config_path(meta["config"])
+    then = mode_config(config, meta["overrides"], "async", 0, False, meta["config_text"])
+    now = mode_config(config, meta["overrides"], "async", 0, False)
+    assert (then.buffer.max_staleness_versions, now.buffer.max_staleness_versions) == (8, 4)
+    assert then.rollout == now.rollout and then.run.total_steps == now.run.total_steps

@@ -170,3 +170,38 @@ def test_cross_field_errors_have_no_root_label() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["rollout.max_response_tokens=500"])
     assert "<root>" not in str(err.value) and "exceeds model.tiny.max_position_embeddings" in str(err.value)
+
+
+def test_a_staleness_bound_by_mode_gives_each_mode_its_entry() -> None:
+    table = "buffer.max_staleness_versions={sync = 8, one_step_off = 7, async = 4, reflow = 6}"
+    bounds = {mode: load_config(None, [table, f'mode.kind="{mode}"']).buffer.max_staleness_versions
+              for mode in ("sync", "one_step_off", "async", "reflow")}
+    assert bounds == {"sync": 8, "one_step_off": 7, "async": 4, "reflow": 6}
+    cfg = load_config(None, [table, 'mode.kind="async"'])  # the run stores the bound it ran with
+    assert ReflowConfig.model_validate_json(config_to_json(cfg)).buffer.max_staleness_versions == 4
+    # the bench's file: async at 4, the other modes at 8
+    bench = REPO / "configs" / "bench.toml"
+    assert [load_config(bench, [f'mode.kind="{m}"']).buffer.max_staleness_versions
+            for m in ("sync", "one_step_off", "async", "reflow")] == [8, 8, 4, 8]
+    # an integer override replaces the table for every mode
+    assert load_config(bench, ["buffer.max_staleness_versions=3", 'mode.kind="reflow"']).buffer.max_staleness_versions == 3
+
+
+@pytest.mark.parametrize("table,needle", [
+    ("{sync = 8, async = 4}", "the table has no entry for one_step_off, reflow"),
+    ("{sync = 8, one_step_off = 8, async = 4, reflow = 8, asyc = 4}", "unknown mode 'asyc'"),
+    ("{sync = 8, one_step_off = 8, async = -1, reflow = 8}", "buffer.max_staleness_versions.async: expected an integer"),
+    ("{sync = 8, one_step_off = 8, async = 4, reflow = 2.5}", "buffer.max_staleness_versions.reflow: expected an integer"),
+])
+def test_a_bad_staleness_table_names_the_mode(table: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"buffer.max_staleness_versions={table}"])
+    assert needle in str(err.value)
+
+
+def test_a_stored_config_text_is_read_instead_of_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "exp.toml"
+    path.write_text("[run]\ntotal_steps = 5\n")
+    assert load_config(path, text="[run]\ntotal_steps = 7\n").run.total_steps == 7
+    with pytest.raises(ConfigError, match="as stored"):
+        load_config(path, text="[run\n")

@@ -152,6 +152,7 @@ def test_bench_runs_streaming_modes_end_to_end(tmp_path: Path) -> None:
     assert set(report["summary"]) == {"sync", "async", "reflow", "sorted_partial"}
     assert (out / "bench.png").stat().st_size > 0
     assert report["meta"]["run_length"].startswith("equal data")
+    assert report["meta"]["config_text"] == (REPO / "configs/smoke.toml").read_text()  # what the runs read
     n_steps = {}
     for run in report["runs"]:
         n_steps[run["mode"]] = run["steps"]
