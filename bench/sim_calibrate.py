@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -62,13 +63,14 @@ from reflow.bench.sim_profile import (
     DriverCost,
     EngineCost,
     Lengths,
+    MachineCost,
     MeasuredGroups,
     SimProfile,
     SyncCost,
     TrainerCost,
 )
 from reflow.bench.simulate import STREAMING, config_path, mode_config, simulate
-from reflow.infra.run import load_record, read_steps
+from reflow.infra.run import load_config_of, load_record, read_steps
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.schema import stream_position
 
@@ -247,6 +249,8 @@ def calibrate(bench_dir: str | Path, seeds: list[int] | None = None, max_groups:
     # beside its tasks, over sync's, is the record (means: an eval snapshot every few steps weighs in)
     on_path = max(0.0, _mean([x for mode, x in residual if mode == "sync"]))
     recording = max(0.0, _mean([x for mode, x in residual if mode == "one_step_off"], on_path) - on_path)
+    resources = load_config_of(next(r.run_dir for r in results if r.mode == "sync")).resources
+    cores = float(resources.num_cpus or os.cpu_count() or 1)
     pooled = _subset(list(groups.values()), max_groups)
     # every run's groups, the runs not fitted on included: what each run's policy wrote is the workload a
     # simulation of that run is given, not a figure it is checked on
@@ -274,6 +278,9 @@ def calibrate(bench_dir: str | Path, seeds: list[int] | None = None, max_groups:
                         f"(lengths and rewards), and up to {max_groups // 4} of each run's own (every run of the bench)",
                         prompt_tokens=float(np.mean(prompt_tokens)), groups=pooled.lengths,
                         group_rewards=pooled.rewards, by_run=by_run),
+        machine=MachineCost(source=f"{label}: resources.num_cpus of its runs (unset: the machine's cores); the "
+                            "cores shared evenly, not fitted (docs/simulation.md, \"The elastic pool is not "
+                            "validated\")", cores=cores, oversubscription=1.0),
         calibration={"rounds": len(rounds), "one_step_off_rounds": len(overlapped), "engine_fit_error_median": float(np.median(np.abs(fit - y) / y)),
                      "trainer_steps": len(compute), "bench": str(Path(bench_dir).resolve())})
     return _fit_streaming(profile, Path(bench_dir), [r for r in results if r.mode in STREAMING],

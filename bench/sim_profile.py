@@ -13,6 +13,9 @@ a run take:
 * **sync**: a weight push takes ``fixed_s + bytes / bytes_per_s``.
 * **driver**: what the control plane spends on the CPU between the roles:
   a buffer append, a selection query, a step's record.
+* **machine**: on a CPU machine, more busy actors (engines, the trainer,
+  flex workers) than ``cores`` slow each other: each one's compute takes
+  ``(busy / cores) ** oversubscription`` times longer. Unset on GPUs.
 * **lengths**: response lengths, either the groups of a measured run
   (``groups``: the lengths of each GRPO group's samples, so the spread
   inside a group is kept) or a log-normal fitted to a published p50 and
@@ -104,6 +107,23 @@ class DriverCost(_Part):
                                     "tasks, before the next round is submitted (task runs, the step's metrics)")
     round_record_s: float = Field(0.0, ge=0, description="rounds: recording a step (tracking, eval snapshots); "
                                   "sync records while the next round runs, one_step_off before submitting it")
+
+
+class MachineCost(_Part):
+    """Actors that share cores: with more busy actors than ``cores``, each one's compute slows down."""
+
+    cores: float | None = Field(None, gt=0, description="cores the modelled actors share (None: each actor has "
+                                "its own device, as on a GPU cluster)")
+    oversubscription: float = Field(1.0, ge=0, description="with more busy actors than cores, each one's compute "
+                                    "time times (busy / cores) ** this (1: the cores are shared evenly; above 1: "
+                                    "sharing costs more than its share)")
+
+    def factor(self, busy: int) -> float:
+        """Compute time factor with ``busy`` actors computing at once; the engine and trainer factors above were
+        measured with at most ``cores`` of them, so up to ``cores`` it is 1."""
+        if self.cores is None or busy <= self.cores:
+            return 1.0
+        return (busy / self.cores) ** self.oversubscription
 
 
 class MeasuredGroups(BaseModel):
@@ -205,6 +225,8 @@ class SimProfile(BaseModel):
     sync: SyncCost
     driver: DriverCost
     lengths: Lengths
+    machine: MachineCost = Field(default_factory=lambda: MachineCost(
+        source="not modelled: every actor has its own device"))
     calibration: dict = Field(default_factory=dict, description="what a calibration measured (for the record)")
 
 

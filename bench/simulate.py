@@ -124,7 +124,8 @@ class EnginePool:
         self.rewards: dict[int, np.ndarray] = {}
         self.lengths_of: dict[int, np.ndarray] = {}
         self.pushed: list[tuple[float, int]] = []  # (arrival time, version) of weights on their way
-        self.training: list[tuple[float, float]] = []  # the trainer's compute intervals (engine slowdown)
+        self.training: list[tuple[float, float, int]] = []  # the trainer's compute intervals, and actors computing
+        self.machine = profile.machine
         self.streaming = profile.engine.streaming(mode) if mode in STREAMING else 1.0
         self.releasing: set[int] = set()  # engines to give back what they hold before their next window
 
@@ -179,6 +180,14 @@ class EnginePool:
             self.training.pop(0)
         return bool(self.training) and self.training[0][0] <= t
 
+    def training_actors(self, t: float) -> int:
+        """Actors computing a step at ``t``: the trainer and the flex workers helping it."""
+        return self.training[0][2] if self.trainer_busy(t) else 0
+
+    def generating(self) -> int:
+        """Engines holding requests."""
+        return sum(1 for e in self.engines if e.requests)
+
     @property
     def in_flight(self) -> int:
         return sum(e.requests for e in self.engines)
@@ -229,6 +238,8 @@ class EnginePool:
         n = len(e.ids)
         horizon = int(e.remaining.min())
         slow = (self.cost.slowdown_while_training if self.trainer_busy(t) else 1.0) * self.streaming
+        if self.machine.cores is not None:  # actors sharing the cores: counted when the engine's step starts
+            slow *= self.machine.factor(self.generating() + self.training_actors(t))
         context = float(e.context.sum())
         steps, slots = 0, 0.0
         while steps < horizon and t < until:
@@ -468,12 +479,14 @@ class _Selector:
         share = math.ceil(tokens / (1 + helpers))
         # the engines generate all along in the streaming modes: the step shares the machine with them
         seconds = self.profile.trainer.step_s(share, self.cfg.resources.trainer_ranks) \
-            * self.profile.trainer.slowdown(self.cfg.mode.kind) + self._helper_transfer_s(helpers)
+            * self.profile.trainer.slowdown(self.cfg.mode.kind) * self.profile.machine.factor(
+                1 + helpers + self.pool.generating() if self.profile.machine.cores is not None else 0) \
+            + self._helper_transfer_s(helpers)
         self.run.helper_steps += helpers > 0
         read = 0.0 if selection is self.prefetched else self.profile.trainer.read_s
         begin = max(self.sched.now(), self.trainer_free) + self.profile.trainer.overhead_s + read
         self.trainer_free = begin + seconds
-        self.pool.training.append((begin, self.trainer_free))
+        self.pool.training.append((begin, self.trainer_free, 1 + helpers))
         return _Update(step, selection, self.trainer_free, seconds, tokens)
 
     def _helper_transfer_s(self, helpers: int) -> float:
@@ -608,12 +621,12 @@ def _rounds(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Callabl
         last = step == total - 1
         tokens = sum(loss_tokens(s) for s in done.finished)
         train_s = profile.trainer.step_s(tokens, cfg.resources.trainer_ranks)
-        if overlap and not last:  # the trainer shares the machine with the next round
-            train_s *= profile.trainer.slowdown(cfg.mode.kind)
+        if overlap and not last:  # the trainer shares the machine with the next round (on every engine)
+            train_s *= profile.trainer.slowdown(cfg.mode.kind) * profile.machine.factor(1 + len(pool.engines))
         begin = max(flow, trainer_free) + profile.trainer.overhead_s
         trainer_free = begin + train_s
         if overlap and not last:  # the engine starts the next round on the weights it holds, beside the update
-            pool.training = [(begin, trainer_free)]
+            pool.training = [(begin, trainer_free, 1)]
             pending = rollout(step + 1, max(flow, engine_free), version)
             engine_free = pending.end
         version += 1

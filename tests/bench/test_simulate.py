@@ -13,6 +13,7 @@ from reflow.bench.sim_profile import (
     DriverCost,
     EngineCost,
     Lengths,
+    MachineCost,
     SimProfile,
     SyncCost,
     TrainerCost,
@@ -22,7 +23,7 @@ from reflow.bench.sim_report import aggregate, summarise, validate
 from reflow.bench.simulate import EnginePool, config_path, mode_config, simulate
 from reflow.cli.main import main
 from reflow.cli.simulate import DEFAULT_PROFILE, PACKAGE
-from reflow.config.load import load_config
+from reflow.config.load import config_to_json, load_config
 
 
 def profile(lengths: list[list[int]] | None = None, rewards: list[list[float]] | None = None, *,
@@ -206,6 +207,22 @@ def _tail_profile() -> SimProfile:
                    base=0.01, per_seq=0.0001, token_s=0.0005)
 
 
+def test_busy_actors_beyond_the_cores_slow_each_other() -> None:
+    """``machine``: up to ``cores`` busy actors the measured factors hold; beyond, each one's compute takes
+    ``(busy / cores) ** oversubscription`` longer. Four engines and a trainer on two cores generate more than one
+    engine does, but less than four engines each on its own device."""
+    assert MachineCost(source="t").factor(9) == 1.0  # unset: every actor has its own device
+    shared = MachineCost(source="t", cores=2)
+    assert [shared.factor(n) for n in (1, 2, 3, 5)] == pytest.approx([1.0, 1.0, 1.5, 2.5])
+    assert MachineCost(source="t", cores=2, oversubscription=2).factor(3) == pytest.approx(2.25)
+    prof = profile([[30, 60, 90, 120]], [[1, 0, 1, 0]], base=0.02, per_seq=0.001, token_s=1e-4)
+    on_cores = prof.model_copy(update={"machine": shared})
+    rate = {(n, p is on_cores): summarise(simulate(small("async", **{"resources.engines": str(n)}), p, 0))
+            for n in (1, 4) for p in (prof, on_cores)}
+    assert rate[(1, True)].new_samples_per_s == rate[(1, False)].new_samples_per_s  # two actors on two cores
+    assert rate[(1, True)].new_samples_per_s < rate[(4, True)].new_samples_per_s < rate[(4, False)].new_samples_per_s
+
+
 def test_sorted_rounds_run_the_real_scheduler_and_cut_the_bubble() -> None:
     prof = _tail_profile()
     plain = simulate(small("sync"), prof, 0)
@@ -310,6 +327,7 @@ def _synthetic_bench(root, engine=(0.004, 2e-4, 1e-6), trainer=(0.3, 5e-4), slow
         (run_dir / "run.json").write_text(RunRecord(
             run_id=mode, run_dir=str(run_dir), store_root=str(run_dir / "tables"), model_dir="m", namespace="n",
             engines=("e",), trainer="t", tracking_uri="x", weight_bytes=4096).model_dump_json())
+        (run_dir / "config.json").write_text(config_to_json(load_config(None, ["resources.num_cpus=3"])))
         rows, lines, before = [], [], 0.0
         for step in range(8):
             lengths = rng.integers(5, 60, size=(4, 4))
@@ -365,6 +383,7 @@ def test_calibration_recovers_the_cost_models_the_runs_followed(tmp_path) -> Non
     assert prof.driver.select_s == pytest.approx(0.02) and prof.driver.round_score_s == pytest.approx(0.12)
     assert t.overhead_s == pytest.approx(0.05) and prof.sync.bytes == 4096
     assert t.read_s == pytest.approx(0.07)  # the steps whose batch was not prefetched (after the first)
+    assert (prof.machine.cores, prof.machine.oversubscription) == (3, 1.0)  # the runs' resources.num_cpus
     assert len(prof.lengths.groups) == 3 * 8 * 4 and prof.lengths.prompt_tokens == pytest.approx(7)
     assert all(len(g) == 4 for g in prof.lengths.groups)
     assert set(prof.lengths.by_run) == {"sync:0", "one_step_off:0", "async:0"}
