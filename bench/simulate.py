@@ -477,11 +477,12 @@ class _Selector:
         # flex workers ready to train take an equal token share; each loads the weights and returns gradients
         helpers = len(self.loops.pool.ready()) if self.loops.pool is not None else 0
         share = math.ceil(tokens / (1 + helpers))
-        # the engines generate all along in the streaming modes: the step shares the machine with them
+        # the engines generate all along in the streaming modes: the step shares the machine with them (and, on
+        # shared cores, with every engine holding requests as it starts)
+        machine = self.profile.machine
+        shared = machine.factor(1 + helpers + self.pool.generating()) if machine.cores is not None else 1.0
         seconds = self.profile.trainer.step_s(share, self.cfg.resources.trainer_ranks) \
-            * self.profile.trainer.slowdown(self.cfg.mode.kind) * self.profile.machine.factor(
-                1 + helpers + self.pool.generating() if self.profile.machine.cores is not None else 0) \
-            + self._helper_transfer_s(helpers)
+            * self.profile.trainer.slowdown(self.cfg.mode.kind) * shared + self._helper_transfer_s(helpers)
         self.run.helper_steps += helpers > 0
         read = 0.0 if selection is self.prefetched else self.profile.trainer.read_s
         begin = max(self.sched.now(), self.trainer_free) + self.profile.trainer.overhead_s + read
