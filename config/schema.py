@@ -522,7 +522,8 @@ class ReflowConfig(_Section):
         for mode, value in table.items():
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1000:
                 raise ValueError(f"{field}.{mode}: expected an integer from 0 to 1000 (got {value!r})")
-        kind = (data.get("mode") or {}).get("kind", ModeConfig.model_fields["kind"].default)
+        mode = data.get("mode") or {}
+        kind = mode.get("kind", ModeConfig.model_fields["kind"].default) if isinstance(mode, dict) else None
         if kind not in table:
             return data  # an unknown mode: the field check of mode.kind names it
         return {**data, "buffer": {**buffer, "max_staleness_versions": table[kind]}}

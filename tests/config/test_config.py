@@ -199,6 +199,12 @@ def test_a_bad_staleness_table_names_the_mode(table: str, needle: str) -> None:
     assert needle in str(err.value)
 
 
+def test_a_staleness_table_beside_a_mode_that_is_not_a_section_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="mode: Input should be a valid dictionary"):
+        load_config(None, ["buffer.max_staleness_versions={sync = 8, one_step_off = 8, async = 4, reflow = 8}",
+                           "mode=3"])
+
+
 def test_a_stored_config_text_is_read_instead_of_the_file(tmp_path: Path) -> None:
     path = tmp_path / "exp.toml"
     path.write_text("[run]\ntotal_steps = 5\n")
