@@ -327,7 +327,7 @@ SPEEDUP_TARGETS = {"vs_best_baseline": 1.3, "vs_sync": 2.0}
 BASELINES = ("sync", "one_step_off", "async")
 
 
-def _invocation(result: ModeResult) -> str:
+def invocation(result: ModeResult) -> str:
     """The bench output directory a run belongs to (``OUT/runs/<mode>-s<seed>/<run>``): one invocation."""
     parts = Path(result.run_dir).parts
     return parts[-4] if len(parts) >= 4 and parts[-3] == "runs" else str(Path(result.run_dir).parent)
@@ -335,8 +335,8 @@ def _invocation(result: ModeResult) -> str:
 
 def seed_rows(results: list[ModeResult], mode: str) -> list[tuple[str, int, dict[str, ModeResult]]]:
     """``(invocation, seed, {mode name: result})`` for each seed of each invocation that ran ``mode``."""
-    keys = sorted({(_invocation(r), r.seed) for r in results if r.mode == mode})
-    return [(inv, seed, {r.mode: r for r in results if r.seed == seed and _invocation(r) == inv}) for inv, seed in keys]
+    keys = sorted({(invocation(r), r.seed) for r in results if r.mode == mode})
+    return [(inv, seed, {r.mode: r for r in results if r.seed == seed and invocation(r) == inv}) for inv, seed in keys]
 
 
 def seed_speedups(results: list[ModeResult], mode: str = "reflow") -> dict:
@@ -413,6 +413,18 @@ def load_results(path: Path) -> list[ModeResult]:
                               for k, v in run.items() if k in names}) for run in runs]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a bench.json written by reflow bench ({exc})") from exc
+
+
+def repeat_key(path: Path) -> str | None:
+    """What makes two bench outputs repeats of one variant: the same config text (or file, for outputs written
+    before ``config_text``), overrides, modes, seeds and targets (sync repeats its runs exactly with the default
+    loss, so repeats share their targets; where it did not, the outputs are not repeats). None: no ``meta``."""
+    path = path / "bench.json" if path.is_dir() else path
+    meta = json.loads(path.read_text()).get("meta")
+    if not isinstance(meta, dict):
+        return None
+    keys = ("config_text" if "config_text" in meta else "config", "overrides", "modes", "seeds", "targets")
+    return json.dumps({k: meta.get(k) for k in keys}, sort_keys=True)
 
 
 def table(summary: dict[str, dict]) -> str:

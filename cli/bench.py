@@ -91,14 +91,21 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
     if args.output and (Path(args.output).is_dir() or not Path(args.output).parent.is_dir()):
         raise InputError(f"--output: {args.output!r} must be a file in an existing directory")
     results = []
+    repeats: dict[str, list[str]] = {}  # repeat_key -> the invocations that ran it
     for item in args.dirs:
         path = Path(item)
         if not (path / "bench.json" if path.is_dir() else path).is_file():
             raise InputError(f"{item}: no bench.json there (run reflow bench --output {item} first)")
         try:
-            results += mode_bench.load_results(path)
+            runs = mode_bench.load_results(path)
+            key = mode_bench.repeat_key(path)
         except ValueError as exc:
             raise InputError(str(exc)) from exc
+        results += runs
+        if key is not None and runs:
+            invocation = mode_bench.invocation(runs[0])
+            if invocation not in repeats.setdefault(key, []):
+                repeats[key].append(invocation)
     if not any(r.mode in ("reflow", "sync") for r in results):
         raise InputError(f"no reflow or sync rows in {', '.join(args.dirs)}")
     report: dict = {}
@@ -107,7 +114,7 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
         report = {**mode_bench.seed_speedups(results), "limits": decompose.speed_limits(results)}
         parts += [mode_bench.seed_table(report), decompose.limits_table(report["limits"])]
     if any(r.mode == "sync" for r in results):
-        report["data"] = decompose.data_factors(results)
+        report["data"] = decompose.data_factors(results, list(repeats.values()))
         parts.append(decompose.data_table(report["data"]))
     print("\n\n".join(parts), flush=True)
     if args.output:

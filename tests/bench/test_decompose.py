@@ -108,3 +108,34 @@ def test_data_factors_by_hand(tmp_path: Path) -> None:
     text = decompose.data_table(factors)
     assert re.search(r"base/s1 +async +never +- +never +0\.300 +-0\.100", text)
     assert "base reflow: median data 2.12 over 2 seed(s)" in text
+
+
+def test_repeats_of_a_variant_pool_by_seed(tmp_path: Path) -> None:
+    def run(out: str, mode: str, seed: int, samples: float | None, final: float) -> mode_bench.ModeResult:
+        return dataclasses.replace(_result(tmp_path / out, mode, seed, 10.0 if samples else None, final),
+                                   samples_to_target=samples)
+
+    results = [
+        # first run: async 0.80 on seed 0 (2,000 / 2,500), 1.50 on seed 1 (3,000 / 2,000); median 1.15
+        run("r1", "sync", 0, 2000.0, 0.50), run("r1", "async", 0, 2500.0, 0.52),
+        run("r1", "sync", 1, 3000.0, 0.40), run("r1", "async", 1, 2000.0, 0.38),
+        # second run: sync the same, async 1,500 on seed 0, never on seed 1
+        run("r2", "sync", 0, 2000.0, 0.50), run("r2", "async", 0, 1500.0, 0.49),
+        run("r2", "sync", 1, 3000.0, 0.40), run("r2", "async", 1, None, 0.30),
+        # another variant, alone: not pooled
+        run("v", "sync", 0, 2000.0, 0.50), run("v", "async", 0, 1000.0, 0.50),
+    ]
+    factors = decompose.data_factors(results, [["r1", "r2"], ["v"]])
+    (pooled,) = factors["pooled"]
+    assert pooled["invocations"] == ["r1", "r2"] and pooled["mode"] == "async"
+    s0, s1 = pooled["per_seed"]
+    # seed 0: mean sync 2,000 over mean async (2,500 + 1,500) / 2 = 2,000: 1.0; accuracy (+0.02 - 0.01) / 2
+    assert s0["data"] == pytest.approx(1.0) and s0["accuracy_vs_sync"] == pytest.approx(0.005)
+    # seed 1: one repeat never reached the target: no pooled factor (0 in the median)
+    assert s1["data"] is None and s1["accuracy_vs_sync"] == pytest.approx((-0.02 - 0.10) / 2)
+    assert pooled["data_median"] == pytest.approx(0.5) and pooled["met"] is False
+    assert pooled["accuracy_vs_sync_median"] == pytest.approx((0.005 - 0.06) / 2)
+    text = decompose.data_table(factors)
+    assert "pooled over 2 repeats (r1, r2) async: data per seed 1.00 / never, median 0.50" in text
+    assert "not met" in text.splitlines()[-1]
+    assert decompose.data_factors(results)["pooled"] == []

@@ -236,9 +236,33 @@ def test_bench_json_round_trips_and_bench_report_reads_several(tmp_path: Path) -
     assert report["spread"]["vs_sync"]["met"] == 1 and len(report["limits"]["per_seed"]) == 2
     assert "speedup = data x utilisation x efficiency" in done.stdout
     assert "data factor against sync" in done.stdout and len(report["data"]["per_seed"]) == 4
+    # the same meta in both: repeats of one variant, pooled (neither has samples to target: no factor)
+    assert [p["invocations"] for p in report["data"]["pooled"]] == [["a", "b"]]
+    assert "pooled over 2 repeats (a, b) reflow: data per seed never" in done.stdout
     (tmp_path / "bad.json").write_text("{}")
     for args, message in (([str(tmp_path / "nowhere")], "no bench.json there"),
                           ([str(tmp_path / "bad.json")], "not a bench.json"),
                           ([str(tmp_path / "a"), "--output", str(tmp_path)], "must be a file")):
         done = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_repeat_key_names_the_variant(tmp_path: Path) -> None:
+    meta = {"config": "configs/bench.toml", "config_text": "[run]\n", "overrides": ["eval.every_steps=3"],
+            "modes": ["sync", "async"], "seeds": [21], "targets": {"21": 0.27}}
+    keys = {}
+    for name, change in (("same", {}), ("again", {"config": "elsewhere/bench.toml"}),
+                         ("override", {"overrides": ["train.is_level=sequence"]}), ("target", {"targets": {"21": 0.3}}),
+                         ("text", {"config_text": "[run]\nseed = 1\n"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bench.json").write_text(json.dumps({"meta": {**meta, **change}, "runs": []}))
+        keys[name] = mode_bench.repeat_key(tmp_path / name)
+    # the text the runs read decides, not where the file was
+    assert keys["same"] == keys["again"]
+    assert len({keys[k] for k in ("same", "override", "target", "text")}) == 4
+    (tmp_path / "old.json").write_text(json.dumps({"meta": {k: v for k, v in meta.items() if k != "config_text"}}))
+    (tmp_path / "old2.json").write_text(json.dumps({"meta": {**{k: v for k, v in meta.items() if k != "config_text"},
+                                                             "config": "b.toml"}}))
+    assert mode_bench.repeat_key(tmp_path / "old.json") != mode_bench.repeat_key(tmp_path / "old2.json")
+    (tmp_path / "nometa.json").write_text(json.dumps({"runs": []}))
+    assert mode_bench.repeat_key(tmp_path / "nometa.json") is None
