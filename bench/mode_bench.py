@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -416,15 +417,23 @@ def load_results(path: Path) -> list[ModeResult]:
 
 
 def repeat_key(path: Path) -> str | None:
-    """What makes two bench outputs repeats of one variant: the same config text (or file, for outputs written
-    before ``config_text``), overrides, modes, seeds and targets (sync repeats its runs exactly with the default
-    loss, so repeats share their targets; where it did not, the outputs are not repeats). None: no ``meta``."""
+    """What makes two bench outputs repeats of one variant: the same config (the TOML its runs read, comments
+    aside; the file's path for outputs written before ``config_text``), overrides, modes, seeds and targets (sync
+    repeats its runs exactly with the default loss, so repeats share their targets; where it did not, the outputs
+    are not repeats). None: no ``meta``."""
     path = path / "bench.json" if path.is_dir() else path
     meta = json.loads(path.read_text()).get("meta")
     if not isinstance(meta, dict):
         return None
-    keys = ("config_text" if "config_text" in meta else "config", "overrides", "modes", "seeds", "targets")
-    return json.dumps({k: meta.get(k) for k in keys}, sort_keys=True)
+    key = {k: meta.get(k) for k in ("overrides", "modes", "seeds", "targets")}
+    if "config_text" in meta:
+        try:
+            key["config"] = tomllib.loads(meta["config_text"])
+        except (tomllib.TOMLDecodeError, TypeError):
+            key["config"] = meta["config_text"]
+    else:
+        key["config"] = meta.get("config")
+    return json.dumps(key, sort_keys=True, default=str)
 
 
 def table(summary: dict[str, dict]) -> str:

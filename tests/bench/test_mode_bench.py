@@ -253,12 +253,13 @@ def test_repeat_key_names_the_variant(tmp_path: Path) -> None:
     keys = {}
     for name, change in (("same", {}), ("again", {"config": "elsewhere/bench.toml"}),
                          ("override", {"overrides": ["train.is_level=sequence"]}), ("target", {"targets": {"21": 0.3}}),
-                         ("text", {"config_text": "[run]\nseed = 1\n"})):
+                         ("text", {"config_text": "[run]\nseed = 1\n"}),
+                         ("comment", {"config_text": "# measured 2026-12-05\n[run]\n"})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "bench.json").write_text(json.dumps({"meta": {**meta, **change}, "runs": []}))
         keys[name] = mode_bench.repeat_key(tmp_path / name)
     # the text the runs read decides, not where the file was
-    assert keys["same"] == keys["again"]
+    assert keys["same"] == keys["again"] == keys["comment"]
     assert len({keys[k] for k in ("same", "override", "target", "text")}) == 4
     (tmp_path / "old.json").write_text(json.dumps({"meta": {k: v for k, v in meta.items() if k != "config_text"}}))
     (tmp_path / "old2.json").write_text(json.dumps({"meta": {**{k: v for k, v in meta.items() if k != "config_text"},
