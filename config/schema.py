@@ -328,7 +328,10 @@ class BufferConfig(_Section):
         "replay would get from reuse_decay and staleness_decay; groups with no spread are never replayed) or "
         "'newest'.")
     reuse_decay: float = Field(0.5, gt=0, le=1, description="Loss weight factor per previous use of a sample.")
-    staleness_decay: float = Field(0.9, gt=0, le=1, description="Loss weight factor per version of age.")
+    staleness_decay: float = Field(0.9, gt=0, le=1, description="Loss weight factor per version of age (async "
+                                   "and reflow; with train.lr_by_weight it also scales the step: async's samples, "
+                                   "about one version old, step at about 0.93 of the rate; 1.0 measured worse on "
+                                   "the data-efficiency seeds, docs/benchmark.md).")
     select_ahead: bool = Field(True, description="reflow: choose the next batch while the trainer computes the "
                                "current one, for the version it will train at, so the trainer starts it as soon "
                                "as the weights are pushed (async, like verl's fully-async trainer, selects after "
