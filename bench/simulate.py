@@ -76,6 +76,7 @@ class SimSample:
     reward: float
     trained: bool  # its group's rewards differ (an all-equal group has zero advantage: the trainer skips it)
     engine: int = 0  # the engine that finished it
+    resumed: int = 0  # tokens of it another engine generated before it was moved to this one
 
 
 @dataclass
@@ -89,6 +90,7 @@ class _Engine:
     remaining: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     context: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # version of the first token; -1
+    resumed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens it came with (a moved one)
     # (group, sample, tokens to generate, tokens already generated (a resumed partial), version of its first token
     # or -1), in admission order
     waiting: list[tuple[int, int, int, int, int]] = field(default_factory=list)
@@ -96,6 +98,13 @@ class _Engine:
     @property
     def requests(self) -> int:
         return len(self.ids) + len(self.waiting)
+
+    def keep(self, slots: Sequence[int] | np.ndarray) -> None:
+        """Only these running slots stay (in this order)."""
+        self.ids = [self.ids[i] for i in slots]
+        index = np.asarray(slots, np.int64)
+        self.remaining, self.context = self.remaining[index], self.context[index]
+        self.first, self.resumed = self.first[index], self.resumed[index]
 
 
 @dataclass
@@ -107,8 +116,9 @@ class Window:
     busy_s: float  # engine-seconds spent stepping, summed over engines
     slot_s: float  # running sequences x step seconds, summed (for the bubble)
     busy_by_engine: dict[int, float] = field(default_factory=dict)  # engine index -> its stepping seconds
-    # (engine, request) given back before the window (``EnginePool.release``), a request as ``_Engine.waiting``
-    released: list[tuple[int, tuple[int, int, int, int, int]]] = field(default_factory=list)
+    # (engine, request, tokens the engine generated of it) given back before the window (``EnginePool.release``), a
+    # request as ``_Engine.waiting``
+    released: list[tuple[int, tuple[int, int, int, int, int], int]] = field(default_factory=list)
 
 
 class EnginePool:
@@ -149,9 +159,7 @@ class EnginePool:
     def abandon(self, groups: Sequence[int]) -> None:
         drop = set(groups)
         for e in self.engines:
-            keep = [i for i, (g, _) in enumerate(e.ids) if g not in drop]
-            e.ids = [e.ids[i] for i in keep]
-            e.remaining, e.context, e.first = e.remaining[keep], e.context[keep], e.first[keep]
+            e.keep([i for i, (g, _) in enumerate(e.ids) if g not in drop])
             e.waiting = [w for w in e.waiting if w[0] not in drop]
 
     def release(self, index: int) -> None:
@@ -161,14 +169,15 @@ class EnginePool:
         """Requests another engine gave back: queued on engine ``to``, to prefill prompt and prefix again."""
         self.engines[to].waiting += list(requests)
 
-    def _give_back(self, index: int) -> list[tuple[int, tuple[int, int, int, int, int]]]:
-        """Everything engine ``index`` holds, as waiting requests (running ones with what they generated)."""
+    def _give_back(self, index: int) -> list[tuple[int, tuple[int, int, int, int, int], int]]:
+        """Everything engine ``index`` holds, as waiting requests (running ones with what they generated), each with
+        the tokens this engine generated of it."""
         e = self.engines[index]
-        running = [(g, k, int(e.remaining[i]), int(e.context[i]) - self.prompt_tokens, int(e.first[i]))
-                   for i, (g, k) in enumerate(e.ids)]
-        out = [(index, r) for r in running + e.waiting]
-        e.ids, e.waiting = [], []
-        e.remaining, e.context, e.first = e.remaining[:0], e.context[:0], e.first[:0]
+        out = [(index, (g, k, int(e.remaining[i]), int(e.context[i]) - self.prompt_tokens, int(e.first[i])),
+                int(e.context[i]) - self.prompt_tokens - int(e.resumed[i])) for i, (g, k) in enumerate(e.ids)]
+        out += [(index, r, 0) for r in e.waiting]
+        e.keep([])
+        e.waiting = []
         return out
 
     def push(self, version: int, arrives: float) -> None:
@@ -230,6 +239,7 @@ class EnginePool:
         context = [self.prompt_tokens + prefix for _, _, _, prefix, _ in new]
         e.context = np.concatenate([e.context, np.asarray(context, np.int64)])
         e.first = np.concatenate([e.first, np.asarray([first for *_, first in new], np.int64)])
+        e.resumed = np.concatenate([e.resumed, np.asarray([prefix for _, _, _, prefix, _ in new], np.int64)])
         return int(sum(context))  # a resumed partial prefills its prefix again (its KV cache went with the weights)
 
     def _run(self, e: _Engine, index: int, t: float, until: float, prefill: int,
@@ -259,10 +269,8 @@ class EnginePool:
                 length = int(e.context[i]) - self.prompt_tokens
                 rewards = self.rewards[g]
                 out.append(SimSample(f"g{g}/{k}", g, k, int(e.first[i]), length, float(rewards[k]),
-                                     bool(rewards.min() != rewards.max()), index))
-            keep = np.flatnonzero(e.remaining > 0)
-            e.ids = [e.ids[i] for i in keep]
-            e.remaining, e.context, e.first = e.remaining[keep], e.context[keep], e.first[keep]
+                                     bool(rewards.min() != rewards.max()), index, int(e.resumed[i])))
+            e.keep(np.flatnonzero(e.remaining > 0))
         return t, slots
 
 
@@ -304,8 +312,8 @@ class _RoundOnEngine:
                 finished.append(result)
         aborted = [_result(g, k, int(e.context[i]) - pool.prompt_tokens, int(e.first[i]) if e.first[i] >= 0
                            else e.version, e.version, "abort") for i, (g, k) in enumerate(e.ids)]
-        e.ids, e.waiting = [], []
-        e.remaining, e.context, e.first = (np.zeros(0, np.int64) for _ in range(3))
+        e.keep([])
+        e.waiting = []
         self.busy = t - self.start
         return RoundRun(finished=finished, aborted=aborted, started=started, seconds=t - self.start,
                         busy_slot_seconds=slots, steps=0)
@@ -410,8 +418,8 @@ class _Feeder:
 
     def wait_drain(self, handle: Window) -> Drained:
         self.sched.wait_until(handle.end)
-        items = [Finished(s.group, s, s.length, s.engine) for s in handle.finished]
-        released = [Released(request[0], request, engine) for engine, request in handle.released]
+        items = [Finished(s.group, s, s.length - s.resumed, s.engine) for s in handle.finished]
+        released = [Released(request[0], request, engine, tokens) for engine, request, tokens in handle.released]
         # busy_s is the pool's mean, as the real feeder's (``Drained``): the scheduler's engine wait reads it
         return Drained(items, busy_s=handle.busy_s / len(self.pool.engines), in_flight=self.pool.in_flight,
                        busy_by_engine=handle.busy_by_engine, released=released)

@@ -36,8 +36,8 @@ class Finished:
 
     group: int
     result: Any  # policies.engines.GenResult
-    tokens: int
-    engine: int = 0  # index of the engine that generated it
+    tokens: int  # what engine ``engine`` generated of it (a moved request's earlier tokens are its first engine's)
+    engine: int = 0  # index of the engine that finished it
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class Released:
     group: int
     request: Any
     engine: int
+    tokens: int = 0  # what engine ``engine`` generated of it before giving it back
 
 
 @dataclass(frozen=True)
@@ -314,6 +315,8 @@ class FeederLoop:
             busy = drained.engine_busy()
             tokens = dict.fromkeys(busy, 0)
             finished = dict.fromkeys(busy, 0)
+            for item in drained.released:  # each engine is credited what it generated, where it finished or not
+                tokens[item.engine] = tokens.get(item.engine, 0) + item.tokens
             for item in drained.finished:
                 tokens[item.engine] = tokens.get(item.engine, 0) + item.tokens
                 if item.group in self._abandoned:  # finished before its abort reached the engine

@@ -113,7 +113,7 @@ def _streaming(cfg: ReflowConfig, run_dir: str, baseline: EvalStats | None, firs
     recorder = StepRecorder(cfg, run_dir, baseline, last_step=loops.last_step)
     feeder = RayFeeder(run_dir, keep_going=loops.running)
     selector = RaySelector(run_dir, loops.state, loops.controllers, recorder.on_step, loops.replay,
-                           feeder.tokens_by_engine, checkpoints=recorder.checkpoints, pool=loops.pool)
+                           checkpoints=recorder.checkpoints, pool=loops.pool)
     try:
         loops.run(feeder, selector)
         recorder.drain()

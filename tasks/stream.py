@@ -125,6 +125,12 @@ class PendingRequests:
             print(f"engine actor restarted: re-issued {len(self.requests)} unfinished requests", flush=True)
         return drain
 
+    def new_tokens(self, result: Any) -> int:
+        """The tokens of ``result`` this engine generated: its response past what the request resumed from (a
+        request another engine gave back carries that engine's tokens)."""
+        request = self.requests.get(result.request_id)
+        return len(result.response_tokens) - (len(request.resume_tokens) if request is not None else 0)
+
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self.requests.pop(rid, None)
@@ -159,7 +165,6 @@ class RayFeeder:
         self.pending = [PendingRequests(e) for e in self.engines]
         self._drains: dict[Any, int] = {}  # drain in progress -> engine index
         self._window_s = 0.25
-        self.tokens_by_engine = [0] * len(self.engines)
         self._release: set[int] = set()  # engines whose next window starts by giving back their requests
 
     def submit(self, groups: Sequence[int], engine: int = 0) -> None:
@@ -189,14 +194,17 @@ class RayFeeder:
         finished, busy, in_flight, released = [], {}, 0, []
         for ref in ready:
             i = self._drains.pop(ref)
-            drain = self.pending[i].drained(ray.get(ref))
+            pending, drain = self.pending[i], ray.get(ref)
+            # before ``drained`` forgets them: what each result holds beyond the request it was submitted as
+            items = [Finished(group_of(r.request_id), r, pending.new_tokens(r), i) for r in drain.results]
+            gave_back = [Released(group_of(r.request_id), self._resumed(i, r), i, pending.new_tokens(r))
+                         for r in drain.released]
+            pending.drained(drain)
             if drain.in_flight and self.keep_going():  # the next window first, then the bookkeeping
                 self._drains[self._drain(i)] = i
-            items = [Finished(group_of(r.request_id), r, len(r.response_tokens), i) for r in drain.results]
-            released += [Released(group_of(r.request_id), self._resumed(i, r), i) for r in drain.released]
-            self.pending[i].forget([r.request_id for r in drain.released])
-            self.tokens_by_engine[i] += sum(f.tokens for f in items)
+            pending.forget([r.request_id for r in drain.released])
             finished += items
+            released += gave_back
             busy[i] = drain.seconds
             in_flight += drain.in_flight
         # Busy seconds are averaged over the engines, so tokens / busy is the pool's throughput.
@@ -248,7 +256,7 @@ class RaySelector:
     """``SelectorBackend`` over the trajectory tables, the trainer actor and the tracking tasks."""
 
     def __init__(self, run_dir: str, state: LoopState, controllers: Sequence[ConcurrencyController],
-                 on_step: Any, replay: bool, tokens_by_engine: Sequence[int] = (0,),
+                 on_step: Any, replay: bool,
                  checkpoints: Any = lambda step: False, pool: RolePool | None = None) -> None:
         self.run_dir = run_dir
         self.pool = pool  # the flex workers' scheduler: the workers ready to train join each step
@@ -262,7 +270,6 @@ class RaySelector:
                                    reuse_decay=b.reuse_decay, staleness_decay=b.staleness_decay)
         self.weight_fn = (lambda reuse, age: replay_weight(reuse, age, b.reuse_decay, b.staleness_decay))
         self.state, self.controllers, self.on_step = state, list(controllers), on_step
-        self.tokens_by_engine = tokens_by_engine  # the feeder's running counts (main engines first)
         self.checkpoints = checkpoints  # step -> whether recording it saves a checkpoint
         self.trainer = actor(self.ctx.record.trainer, self.ctx.record.namespace)
         self._weights: dict[int, Any] = {}  # version -> reference to its weights, taken as its step finished

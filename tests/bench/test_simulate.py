@@ -132,6 +132,23 @@ def test_groups_go_to_the_least_loaded_engine_and_measured_rewards_stay_with_the
         assert (s.length == 3) == (not s.trained)  # the all-correct group has no advantage: skipped
 
 
+def test_a_request_given_back_credits_each_engine_the_tokens_it_generated() -> None:
+    prof = profile([[10, 10]], base=0.1)
+    pool = EnginePool(prof, engines=2, max_sequences=8, samples=2, rng=np.random.default_rng(0),
+                      max_response_tokens=100)
+    pool.submit([0], to=1)
+    first = pool.step(0.0, 0.25)  # 3 steps: 3 tokens of each sample on engine 1
+    pool.release(1)
+    second = pool.step(first.end, 0.25)
+    assert [(engine, tokens) for engine, _, tokens in second.released] == [(1, 3), (1, 3)]
+    assert [request[2:4] for _, request, _ in second.released] == [(7, 3), (7, 3)]  # 7 to go, 3 generated
+    pool.resubmit([request for _, request, _ in second.released], to=0)
+    done = pool.step(second.end, math.inf).finished
+    assert [(s.engine, s.length, s.resumed) for s in done] == [(0, 10, 3), (0, 10, 3)]
+    pool.submit([1], to=0)  # a request that never moved came with nothing
+    assert {s.resumed for s in pool.step(0.0, math.inf).finished} == {0}
+
+
 def test_a_lognormal_profile_matches_its_stated_quantiles() -> None:
     lengths = Lengths(source="test", prompt_tokens=100, p50=3000, p99=16000, max=20480)
     rng = np.random.default_rng(0)

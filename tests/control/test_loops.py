@@ -623,6 +623,8 @@ class GivingBack(TwoEngines):
         super().__init__()
         self.releasing: set[int] = set()
         self.tokens: dict[str, list[int]] = {}  # request id -> versions of its tokens so far
+        self.came_with: Counter[str] = Counter()  # request id -> tokens it had when it reached its engine
+        self.stepped: Counter[int] = Counter()  # engine -> tokens it generated
         self.finished_ids: Counter[str] = Counter()
         self.version = 0
 
@@ -633,24 +635,30 @@ class GivingBack(TwoEngines):
         self.held[engine] += [rid for rid, _ in requests]
         for rid, versions in requests:
             assert self.tokens[rid] == versions, "a moved request lost or changed its tokens"
+            self.came_with[rid] = len(versions)
+
+    def here(self, rid: str) -> int:
+        """Tokens of ``rid`` its present engine generated."""
+        return len(self.tokens.get(rid, [])) - self.came_with[rid]
 
     def wait_drain(self, handle) -> Drained:
         released = []
         for engine in sorted(self.releasing):
-            released += [Released(int(rid.split("/")[0][1:]), (rid, list(self.tokens.get(rid, []))), engine)
-                         for rid in self.held[engine]]
+            released += [Released(int(rid.split("/")[0][1:]), (rid, list(self.tokens.get(rid, []))), engine,
+                                  self.here(rid)) for rid in self.held[engine]]
             self.held[engine] = []
         self.releasing.clear()
         finished = []
         for engine, held in self.held.items():
             for rid in held:
                 self.tokens.setdefault(rid, []).append(self.version)
+            self.stepped[engine] += len(held)
             count = (len(held) + 1) // 2  # half of what it holds finishes (at least one)
             done, self.held[engine] = held[:count], held[count:]
             self.finished_ids.update(done)
             finished += [Finished(int(rid.split("/")[0][1:]), GenResult(rid, [5] * len(self.tokens[rid]),
                                   [-0.1] * len(self.tokens[rid]), "stop", self.tokens[rid], 0),
-                                  len(self.tokens[rid]), engine) for rid in done]
+                                  self.here(rid), engine) for rid in done]
         return Drained(finished, busy_s=1.0, in_flight=len(self.held[0]) + len(self.held[1]),
                        busy_by_engine={0: 1.0, 1: 1.0}, released=released)
 
@@ -687,6 +695,9 @@ def test_a_flex_worker_moved_to_training_gives_back_its_requests_and_is_ready_a_
     assert sorted(complete) == sorted(set(engines.dealt[0] + engines.dealt[1])), "a group lost or written twice"
     assert feeder._where == {} and feeder._in_flight_by_engine == [0, 0]
     assert set(engines.finished_ids.values()) == {1} and len(engines.finished_ids) == 12 * 4
+    # each engine is credited the tokens it generated: the moved requests' first tokens are the flex worker's
+    assert state.engine_tokens == dict(engines.stepped) and engines.stepped[1] > 0
+    assert state.generated_tokens == sum(len(versions) for versions in engines.tokens.values())
 
 
 def pool_ready(state: LoopState) -> set[int]:
