@@ -440,7 +440,8 @@ def table(summary: dict[str, dict]) -> str:
     """The per-mode table printed at the end of ``reflow bench``."""
     head = (f"{'mode':<17}{'to target s':>12}{'vs sync':>8}{'final acc':>10}{'gen tok/s':>10}{'engine tok/s':>13}"
             f"{'train tok/s':>12}"
-            f"{'trainer idle':>13}{'(wall)':>7}{'gen idle':>9}{'cpu idle':>9}{'ctl cpu':>8}{'stale':>6}{'replay':>7}{'bubble':>7}"
+            f"{'trainer idle':>13}{'(wall)':>7}{'gen idle':>9}{'cpu idle':>9}{'ctl cpu':>8}"
+            f"{'stale':>6}{'replay':>7}{'bubble':>7}"
             f"{'new smp to tgt':>15}{'new smp/s to tgt':>17}")
     rows = [head, "-" * len(head)]
     for mode, e in summary.items():

@@ -242,7 +242,8 @@ def calibrate(bench_dir: str | Path, seeds: list[int] | None = None, max_groups:
                        for mode in dict.fromkeys(m for m, _, _ in shared)}
     # one_step_off rounds beside the update: extra engine seconds per second of overlap
     engine = coef / scale
-    engine_slow = max(1.0, 1.0 + _median([(real - float(np.dot(engine, feats))) / min(over, float(np.dot(engine, feats)))
+    engine_slow = max(1.0, 1.0 + _median([(real - float(np.dot(engine, feats)))
+                                          / min(over, float(np.dot(engine, feats)))
                                           for real, *feats, over in overlapped if over > 0], 0.0))
     sync_s = _median(syncs)
     # sync records while its next round runs, one_step_off before it submits the next: what one_step_off spends
@@ -262,8 +263,9 @@ def calibrate(bench_dir: str | Path, seeds: list[int] | None = None, max_groups:
                           step_base_s=base, per_seq_s=per_seq, per_context_token_s=per_ctx, prefill_token_s=0.0,
                           weight_load_s=sync_s, slowdown_while_training=engine_slow),
         trainer=TrainerCost(source=f"{label}: least squares of {len(compute)} sync steps' compute seconds on "
-                            "trained tokens; overhead: median update_seconds minus compute; read: median trainer_read_seconds of the "
-                            "streaming steps whose batch was not prefetched; beside generation: "
+                            "trained tokens; overhead: median update_seconds minus compute; read: median "
+                            "trainer_read_seconds of the streaming steps whose batch was not prefetched; "
+                            "beside generation: "
                             f"median measured/predicted over {len(shared)} steps of the other modes",
                             step_base_s=t0, token_s=per_token, overhead_s=_median(overhead), read_s=_median(reads),
                             slowdown_while_generating=trainer_slow, slowdown_by_mode=trainer_by_mode),
@@ -275,13 +277,15 @@ def calibrate(bench_dir: str | Path, seeds: list[int] | None = None, max_groups:
                           record_s=_median(records), round_score_s=_median(scores),
                           round_overhead_s=on_path, round_record_s=recording),
         lengths=Lengths(source=f"{label}: {len(pooled.lengths)} of the {len(groups)} groups the runs wrote "
-                        f"(lengths and rewards), and up to {max_groups // 4} of each run's own (every run of the bench)",
+                        f"(lengths and rewards), and up to {max_groups // 4} of each run's own "
+                        "(every run of the bench)",
                         prompt_tokens=float(np.mean(prompt_tokens)), groups=pooled.lengths,
                         group_rewards=pooled.rewards, by_run=by_run),
         machine=MachineCost(source=f"{label}: resources.num_cpus of its runs (unset: the machine's cores); the "
                             "cores shared evenly, not fitted (docs/simulation.md, \"The elastic pool is not "
                             "validated\")", cores=cores, oversubscription=1.0),
-        calibration={"rounds": len(rounds), "one_step_off_rounds": len(overlapped), "engine_fit_error_median": float(np.median(np.abs(fit - y) / y)),
+        calibration={"rounds": len(rounds), "one_step_off_rounds": len(overlapped),
+                     "engine_fit_error_median": float(np.median(np.abs(fit - y) / y)),
                      "trainer_steps": len(compute), "bench": str(Path(bench_dir).resolve())})
     return _fit_streaming(profile, Path(bench_dir), [r for r in results if r.mode in STREAMING],
                           bench_traces(bench_dir))

@@ -250,7 +250,8 @@ def load_profile(path: str | Path) -> SimProfile:
 def save_profile(profile: SimProfile, path: str | Path) -> Path:
     """JSON, one measured group per line."""
     path = Path(path)
-    text = re.sub(r"\[\s*([-0-9.e,\s]+?)\s*\]", lambda m: "[" + ",".join(x.strip() for x in m.group(1).split(",")) + "]",
+    text = re.sub(r"\[\s*([-0-9.e,\s]+?)\s*\]",
+                  lambda m: "[" + ",".join(x.strip() for x in m.group(1).split(",")) + "]",
                   profile.model_dump_json(indent=1))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text + "\n")

@@ -221,7 +221,8 @@ def _flag_rows(parser: argparse.ArgumentParser, command: str) -> list[tuple[str,
 
 def cli_reference() -> str:
     """docs/cli.md: every command and flag, from the parser (a test keeps the file in step)."""
-    lines = ["# Command line", "", "Generated from `cli/main.py` (`reflow COMMAND --help` says the same); regenerate with",
+    lines = ["# Command line", "",
+             "Generated from `cli/main.py` (`reflow COMMAND --help` says the same); regenerate with",
              "`python -c 'from reflow.cli.main import cli_reference; print(cli_reference(), end=\"\")' > docs/cli.md`.",
              "", "One grammar: a run is a positional `RUN` (a run directory, or a run id under `--runs`); `--runs DIR`",
              "is the folder of run directories; `--output` is the file or folder a command writes; `--config`",
@@ -241,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     interrupt_on_signals()
-    handlers = {"run": cmd_run, "resume": cmd_resume, "evaluate": cmd_evaluate, "serve": cmd_serve, "config": cmd_config,
-                "bench-sampler": cmd_bench_sampler, "bench-engine": cmd_bench_engine, "bench": cmd_bench,
-                "bench-report": cmd_bench_report, "simulate": cmd_simulate,
+    handlers = {"run": cmd_run, "resume": cmd_resume, "evaluate": cmd_evaluate, "serve": cmd_serve,
+                "config": cmd_config, "bench-sampler": cmd_bench_sampler, "bench-engine": cmd_bench_engine,
+                "bench": cmd_bench, "bench-report": cmd_bench_report, "simulate": cmd_simulate,
                 "query": cmd_query, "maintain": cmd_maintain, "reproduce": cmd_reproduce}
     handler = cmd_model_init if args.command == "model" else handlers[args.command]
     try:

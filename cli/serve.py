@@ -102,7 +102,8 @@ def deployments(out_dir: str) -> list:
              "modes": ["sync", "one_step_off", "async", "reflow", "sorted_on_policy", "sorted_partial"],
              "target_accuracy": None, "smooth_evals": 3, "equal_steps": False}
     return served + [
-        evaluate_run.to_deployment(name="evaluate", entrypoint_type=module, tags=["reflow"], parameters={"runs": out_dir},
+        evaluate_run.to_deployment(name="evaluate", entrypoint_type=module, tags=["reflow"],
+                                   parameters={"runs": out_dir},
                                    description="Held-out accuracy of a finished run's final model, as "
                                                "`reflow evaluate RUN`: a run id under runs, or a run directory."),
         bench_flow.to_deployment(name="modes", entrypoint_type=module, tags=["reflow"], parameters=bench,

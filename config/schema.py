@@ -98,7 +98,8 @@ class EnvConfig(_Section):
     eval_prompts: int = Field(128, ge=0, le=100_000, description="Held-out prompts for evaluation (0: none).")
     data_path: str | None = Field(None, max_length=4096, description="math, code, custom: the dataset (a "
                                   ".parquet or .jsonl file, or a directory saved by datasets' save_to_disk, whose "
-                                  "'train' split a DatasetDict gives); math: verl/DAPO rows or question/answer rows; code: APPS rows). "
+                                  "'train' split a DatasetDict gives); math: verl/DAPO rows or question/answer rows; "
+                                  "code: APPS rows). "
                                   "Unset: the built-in synthetic dataset (with reference solutions for the tiny "
                                   "policy's warm start).")
     data_format: Literal["auto", "parquet", "jsonl", "hf_dataset"] = Field(
@@ -324,7 +325,8 @@ class BufferConfig(_Section):
                            "(1: never replayed).")
     replay_order: Literal["newest", "advantage", "signal"] = Field(
         "advantage", description="reflow: which replayed groups go first: 'advantage' (largest spread first: the "
-        "variance of the group's rewards; groups with equal rewards carry no gradient), 'signal' (that spread times the weight the "
+        "variance of the group's rewards; groups with equal rewards carry no gradient), 'signal' (that spread "
+        "times the weight the "
         "replay would get from reuse_decay and staleness_decay; groups with no spread are never replayed) or "
         "'newest'.")
     reuse_decay: float = Field(0.5, gt=0, le=1, description="Loss weight factor per previous use of a sample.")
@@ -335,7 +337,8 @@ class BufferConfig(_Section):
     select_ahead: bool = Field(True, description="reflow: choose the next batch while the trainer computes the "
                                "current one, for the version it will train at, so the trainer starts it as soon "
                                "as the weights are pushed (async, like verl's fully-async trainer, selects after "
-                               "each step; at max_staleness_versions = 0 no batch can be chosen before its weights exist).")
+                               "each step; at max_staleness_versions = 0 no batch can be chosen before its weights "
+                               "exist).")
     drain_window_s: float = Field(0.25, gt=0, le=60, description="Engine stepping window between feeder "
                                   "decisions (weights load between windows).")
 

@@ -230,7 +230,8 @@ class RolePool:
         """
         now = self.scheduler.clock.now()
         with self.state.cond:
-            written, consumed, area = self.state.groups_written, self.state.groups_consumed, self.state.unused_group_seconds
+            written, consumed, area = (self.state.groups_written, self.state.groups_consumed,
+                                       self.state.unused_group_seconds)
             busy = self.state.engine_busy_s
             measured = [seconds for _, _, seconds in self.state.switch_seconds]
         mark = (now, written, consumed, trainer_waited_s, busy, area)

@@ -182,7 +182,8 @@ class PooledRoundEngine:
     """
 
     def __init__(self, engines: Sequence[RoundEngine],
-                 gather: Callable[[list[tuple[RoundEngine, list[GenRequest], RoundGoal]]], list[RoundRun]] | None = None,
+                 gather: Callable[[list[tuple[RoundEngine, list[GenRequest], RoundGoal]]],
+                                  list[RoundRun]] | None = None,
                  ) -> None:
         if not engines:
             raise ValueError("a pooled round needs at least one engine")
@@ -263,7 +264,8 @@ class SortedScheduler:
                          round_tokens=self.round_tokens, prefix=prefix, park=self.park)
 
     def run_round(self, engine: RoundEngine) -> RoundResult:
-        """Generate from the planned queue until the threshold, abort the rest, hand out the shortest complete groups."""
+        """Generate from the planned queue until the threshold, abort the rest, hand out the shortest complete
+        groups."""
         queue, new = self.plan()
         ids = {r.request_id: self._key(r) for r in queue}
         start = self.clock.now()

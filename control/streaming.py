@@ -74,7 +74,8 @@ class StreamStart:
 
 
 def concurrency_controller(cfg: ReflowConfig) -> ConcurrencyController:
-    """The in-flight request target of one engine (``concurrency``; its maximum ``rollout.max_concurrent_sequences``)."""
+    """The in-flight request target of one engine (``concurrency``; its maximum
+    ``rollout.max_concurrent_sequences``)."""
     c = cfg.concurrency
     initial = c.initial_sequences
     maximum = cfg.rollout.max_concurrent_sequences if c.adaptive else initial

@@ -82,13 +82,14 @@ def bench_flow(config: str | None, set: list[str], modes: list[Mode], seeds: lis
     results: list[mode_bench.ModeResult] = []
     for seed in seeds:
         for mode in modes:
-            results.append(mode_bench.summarise(mode, seed, bench_mode(config, overrides, mode, seed, out, equal_data), None,
-                                           smooth_evals))
+            results.append(mode_bench.summarise(mode, seed, bench_mode(config, overrides, mode, seed, out, equal_data),
+                                                None, smooth_evals))
     targets: dict[int, float] = {}
     for seed in seeds:
         sync = next((r for r in results if r.seed == seed and r.mode == "sync"), None)
         targets[seed] = target if target is not None else (
-            mode_bench.default_target(sync) if sync else max(r.baseline_accuracy for r in results if r.seed == seed) + 0.1)
+            mode_bench.default_target(sync) if sync
+            else max(r.baseline_accuracy for r in results if r.seed == seed) + 0.1)
     results = [mode_bench.with_target(r, targets[r.seed]) for r in results]
     summary = mode_bench.aggregate(results)
     meta = {"config": config, "config_text": config_text,

@@ -152,7 +152,8 @@ def check_capacity(cfg: ReflowConfig) -> None:
     for kind, need in wanted.items():
         if need > have.get(kind, 0.0) + 1e-9:
             raise RuntimeError(
-                f"the run's actors reserve {need:g} {kind}s (engines {res.engines} x {res.engine_cpus if kind == 'CPU' else res.engine_gpus:g}, "
+                f"the run's actors reserve {need:g} {kind}s "
+                f"(engines {res.engines} x {res.engine_cpus if kind == 'CPU' else res.engine_gpus:g}, "
                 f"flex_workers {res.flex_workers} x {res.flex_cpus if kind == 'CPU' else res.engine_gpus:g}, "
                 f"trainer_ranks {res.trainer_ranks} x {res.trainer_cpus if kind == 'CPU' else res.trainer_gpus:g}) "
                 f"and the Ray cluster has {have.get(kind, 0.0):g}: lower resources.*_{kind.lower()}s or add "

@@ -50,7 +50,8 @@ def latest_run(runs_dir: str | Path) -> Path:
         raise RunNotFound(f"no runs directory {str(root)!r}; name the run (a directory) or its folder (--runs DIR)")
     runs = [p for p in root.iterdir() if p.is_dir() and _is_run_dir(p)]
     if not runs:
-        raise RunNotFound(f"no run directories (with {CONFIG_FILE} or {RUN_FILE}) under {str(root)!r}; name the run's directory")
+        raise RunNotFound(f"no run directories (with {CONFIG_FILE} or {RUN_FILE}) under {str(root)!r}; "
+                          "name the run's directory")
     return max(runs, key=_started)
 
 

@@ -302,7 +302,8 @@ class DeltaTrajectoryStore(RecordAppends):
                                        "no rows have been written to it") from exc
             hint = ""
             if as_of and "not found" in message:
-                hint = "\n(a time-travel read needs the files of that version; `reflow maintain` may have vacuumed them)"
+                hint = ("\n(a time-travel read needs the files of that version; "
+                        "`reflow maintain` may have vacuumed them)")
             raise StorageError(f"query on {self.root} failed: {message}\nSQL: {sql}{hint}") from exc
 
     def select(self, run_id: str, floor: int, sql: str) -> pa.Table:

@@ -80,8 +80,8 @@ class TrainStep:
     micro_batches: int = field(default=0, metadata=NOT_LOGGED)
     trainer_seconds: float = field(default=0.0, metadata=NOT_LOGGED)  # computing the step (idle fractions use it)
     trainer_read_seconds: float = 0.0  # reading the batch from Delta and building the samples, before the step
-    trainer_batch_prefetched: bool | None = field(default=False, metadata=group("perf"))  # the batch was read while the step before computed (streaming;
-    # None in rounds, which never prefetch)
+    # the batch was read while the step before computed (streaming; None in rounds, which never prefetch)
+    trainer_batch_prefetched: bool | None = field(default=False, metadata=group("perf"))
     batch: BatchStats | None = field(default=None, metadata=NOT_LOGGED)  # the rows trained on
     helpers: int = 0  # flex workers that computed gradients for the step beside the trainer (the elastic pool)
     helper_samples: int = 0  # of the samples with a gradient, those the helpers trained on
@@ -108,7 +108,8 @@ class RolloutStats:
     generated_tokens: int = field(metadata=NOT_LOGGED)  # logged per step by ``StepTimes``
     rollout_seconds: float = 0.0  # engine time spent on the round
     score_seconds: float = 0.0  # scoring and writing the trajectories
-    rollout_bubble_ratio: float = field(default=0.0, metadata=group("perf"))  # share of engine slot-time idle while the round was open
+    # share of engine slot-time idle while the round was open
+    rollout_bubble_ratio: float = field(default=0.0, metadata=group("perf"))
     prefill_tokens: int = 0  # prompt tokens prefilled (sorted rounds: resumed prefixes included)
     # SortedRL rounds only (None, not logged, for plain rounds):
     resumed_requests: int | None = None  # partial responses resumed
@@ -117,7 +118,8 @@ class RolloutStats:
     resumed_prefix_tokens: int | None = None  # resumed prefixes prefilled again
     continued_requests: int | None = None  # resumed partials still running in the engine (parked)
     tool_calls: int | None = None  # tool outputs appended (multi-turn tool use only)
-    trajectories_delta_version: int = field(default=-1, metadata=group("storage"))  # the append's table version (-1: written by an earlier attempt)
+    # the append's table version (-1: written by an earlier attempt)
+    trajectories_delta_version: int = field(default=-1, metadata=group("storage"))
 
 
 @dataclass(frozen=True)
@@ -162,18 +164,25 @@ class StepTimes:
     generator_idle_fraction: float = field(metadata=group("perf"))  # share of the step the engines did not generate
     trainer_idle_fraction: float = field(metadata=group("perf"))  # share of the step the trainer did not compute
     generated_tokens: int = field(metadata=group("perf"))
-    generated_tokens_per_s: float = field(metadata=group("perf"))  # rounds: per engine second; streaming: per step second
+    # rounds: per engine second; streaming: per step second
+    generated_tokens_per_s: float = field(metadata=group("perf"))
     trained_tokens_per_s: float = field(metadata=group("perf"))  # per trainer second
     staleness_mean: float = field(metadata=group("buffer"))  # trainer version minus generating version, over the batch
     staleness_max: int = field(metadata=group("buffer"))
     policy_version: int = field(metadata=group("train"))  # after the step
     samples: int = field(metadata=group("batch"))  # trajectories trained on
-    usage_delta_version: int = field(metadata=group("storage"))  # the usage append's table version (-1: written by an earlier attempt)
-    machine_cpu_idle_fraction: float | None = field(default=None, metadata=group("perf"))  # the whole machine's, since the previous step (None: unknown)
-    driver_cpu_fraction: float | None = field(default=None, metadata=group("perf"))  # share of the machine's CPU the driver process used since the previous step (orchestration, appends, queries, tracking)
-    prefect_server_cpu_fraction: float | None = field(default=None, metadata=group("perf"))  # likewise, the Prefect API server the command started (None: not known)
+    # the usage append's table version (-1: written by an earlier attempt)
+    usage_delta_version: int = field(metadata=group("storage"))
+    # the whole machine's, since the previous step (None: unknown)
+    machine_cpu_idle_fraction: float | None = field(default=None, metadata=group("perf"))
+    # share of the machine's CPU the driver process used since the previous step (orchestration, appends, queries,
+    # tracking)
+    driver_cpu_fraction: float | None = field(default=None, metadata=group("perf"))
+    # likewise, the Prefect API server the command started (None: not known)
+    prefect_server_cpu_fraction: float | None = field(default=None, metadata=group("perf"))
     sync_weights_seconds: float | None = None  # rounds: the blocking weight sync
-    sync_weights_bytes: int | None = field(default=None, metadata=group("perf"))  # one full copy of the weights, sent once per version to every engine (None: not known)
+    # one full copy of the weights, sent once per version to every engine (None: not known)
+    sync_weights_bytes: int | None = field(default=None, metadata=group("perf"))
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,8 @@ class RecentTrajectories:
                 self.lowest = versions[0] if keep_from is None else min(keep_from, versions[0])
                 try:
                     rows = self._kept()
-                except (DeltaError, StorageError, OSError, pa.ArrowException):  # the store's read reports it, or succeeds
+                except (DeltaError, StorageError, OSError, pa.ArrowException):
+                    # the store's read reports it, or succeeds
                     self._forget()
                     rows = None
             if rows is not None:
@@ -94,7 +95,8 @@ class RecentTrajectories:
                     continue
                 try:
                     self._scan(self.lowest)
-                except (DeltaError, StorageError, OSError, pa.ArrowException):  # the next read falls back and reports it
+                except (DeltaError, StorageError, OSError, pa.ArrowException):
+                    # the next read falls back and reports it
                     self._forget()
 
     def _forget(self) -> None:

@@ -179,7 +179,8 @@ def log_step(run_dir: str, record: StepRecord) -> None:
     ctx = context(run_dir)
     logged = _LOGGED.get(run_dir, {})
     fresh = {k: v for k, v in record.metrics.items() if record.step not in logged.get(k, ())}
-    _TRACKERS[run_dir].log_metrics(mlflow_metrics(fresh), step=record.step)  # a resumed step: only what was not logged yet
+    # a resumed step: only what was not logged yet
+    _TRACKERS[run_dir].log_metrics(mlflow_metrics(fresh), step=record.step)
     resumed = run_dir in _LOGGED
     if not (resumed and any(r.step == record.step for r in read_steps(run_dir))):  # else the killed attempt did
         append_step(run_dir, record)

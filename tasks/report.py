@@ -19,7 +19,8 @@ def progress_line(rec: StepRecord, total_steps: int) -> str:
     m = rec.metrics
     line = (f"step {rec.step + 1:>4}/{total_steps}  reward {m.get('reward_mean', 0):.3f}  "
             f"acc {m.get('accuracy', 0):.3f}  len {m.get('response_length_mean', 0):5.1f}  "
-            f"gen {m.get('generated_tokens_per_s', 0):7.0f} tok/s  train {m.get('trained_tokens_per_s', 0):6.0f} tok/s  "
+            f"gen {m.get('generated_tokens_per_s', 0):7.0f} tok/s  "
+            f"train {m.get('trained_tokens_per_s', 0):6.0f} tok/s  "
             f"step {m.get('step_seconds', 0):5.1f}s  t={rec.elapsed_s:6.0f}s")
     if "eval_accuracy" in m:
         line += f"  eval_acc {m['eval_accuracy']:.3f}"

@@ -116,7 +116,8 @@ def _record(ctx: TaskContext, step: int, prompt: Prompt, prompt_tokens: list[int
 
 def batch_stats(records: list[Trajectory]) -> BatchStats:
     """Rewards and lengths of scored records."""
-    return BatchStats.of([r.reward for r in records], [r.correct for r in records], [r.response_length for r in records])
+    return BatchStats.of([r.reward for r in records], [r.correct for r in records],
+                         [r.response_length for r in records])
 
 
 def tool_calls(loss_mask: list[int]) -> int:

@@ -379,7 +379,8 @@ class RaySelector:
             groups_abandoned=abandoned, write_seconds=write_d, writes=writes_d,
             concurrency_target_by_engine=tuple(c.target for c in self.controllers) if len(self.controllers) > 1 else (),
             engine_tokens_per_s_by_engine=engine_rates,
-            staleness_hist=tuple(int(np.sum(staleness == age)) for age in range(self.policy.max_staleness_versions + 1)),
+            staleness_hist=tuple(int(np.sum(staleness == age))
+                                 for age in range(self.policy.max_staleness_versions + 1)),
             **self._pool_figures())
         return elapsed, StepMetrics(batch=train.batch, train=train, times=times, stream=stream)
 
@@ -393,7 +394,8 @@ class RaySelector:
         flex = list(self.ctx.cfg.resources.flex_indices)
         lines = [{"at": d.at, "workers": list(d.workers), "role": d.role, "reason": d.reason,
                   "rates": dataclasses.asdict(d.rates)} for d in decisions]
-        lines += [{"switched": flex.index(engine), "role": role, "seconds": seconds} for engine, role, seconds in finished]
+        lines += [{"switched": flex.index(engine), "role": role, "seconds": seconds}
+                  for engine, role, seconds in finished]
         if lines:
             with open(Path(self.run_dir) / ROLES_LOG, "a") as out:
                 out.writelines(json.dumps(line) + "\n" for line in lines)

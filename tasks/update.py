@@ -101,7 +101,8 @@ def finish_update(run_dir: str, pending: PendingUpdate, timeout: float | None = 
     staleness = pending.staleness
     return UpdateSummary(step=pending.step, train=ray.get(pending.result), num_samples=len(staleness),
                          usage_delta_version=pending.usage_delta_version,
-                         staleness_mean=sum(staleness) / max(len(staleness), 1), staleness_max=max(staleness, default=0),
+                         staleness_mean=sum(staleness) / max(len(staleness), 1),
+                         staleness_max=max(staleness, default=0),
                          seconds=ctx.clock.now() - pending.started)
 
 

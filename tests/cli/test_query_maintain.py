@@ -43,7 +43,8 @@ def _trajectory(run_id: str, step: int, group: int, sample: int) -> Trajectory:
 
 
 def make_run(runs: Path, name: str = "demo-20260101-000000-000") -> Path:
-    """A run directory whose tables hold 3 steps (a commit per group and per usage batch); step k trains on k and k-1."""
+    """A run directory whose tables hold 3 steps (a commit per group and per usage batch); step k trains on k
+    and k-1."""
     run_dir = runs / name
     run_dir.mkdir(parents=True)
     store = DeltaTrajectoryStore(run_dir / "tables")

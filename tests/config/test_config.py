@@ -184,14 +184,17 @@ def test_a_staleness_bound_by_mode_gives_each_mode_its_entry() -> None:
     assert [load_config(bench, [f'mode.kind="{m}"']).buffer.max_staleness_versions
             for m in ("sync", "one_step_off", "async", "reflow")] == [8, 8, 4, 8]
     # an integer override replaces the table for every mode
-    assert load_config(bench, ["buffer.max_staleness_versions=3", 'mode.kind="reflow"']).buffer.max_staleness_versions == 3
+    assert load_config(bench, ["buffer.max_staleness_versions=3",
+                               'mode.kind="reflow"']).buffer.max_staleness_versions == 3
 
 
 @pytest.mark.parametrize("table,needle", [
     ("{sync = 8, async = 4}", "the table has no entry for one_step_off, reflow"),
     ("{sync = 8, one_step_off = 8, async = 4, reflow = 8, asyc = 4}", "unknown mode 'asyc'"),
-    ("{sync = 8, one_step_off = 8, async = -1, reflow = 8}", "buffer.max_staleness_versions.async: expected an integer"),
-    ("{sync = 8, one_step_off = 8, async = 4, reflow = 2.5}", "buffer.max_staleness_versions.reflow: expected an integer"),
+    ("{sync = 8, one_step_off = 8, async = -1, reflow = 8}",
+     "buffer.max_staleness_versions.async: expected an integer"),
+    ("{sync = 8, one_step_off = 8, async = 4, reflow = 2.5}",
+     "buffer.max_staleness_versions.reflow: expected an integer"),
 ])
 def test_a_bad_staleness_table_names_the_mode(table: str, needle: str) -> None:
     with pytest.raises(ConfigError) as err:

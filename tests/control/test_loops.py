@@ -142,7 +142,8 @@ class FakeSelector:
             assert self.recorded[-1][0] == step - 1, "a step started before the checkpoint of the one before"
         self.early += step > 0 and self.recorded[-1:] != [(step - 1, self.version)]  # started before recording
         assert selection.trainer_version == self.version, "a batch chosen for another version"
-        self.store.append_usage(selection.usage_rows(RUN, step, selection.trainer_version), app_id=f"{RUN}:usage", txn_version=step)
+        self.store.append_usage(selection.usage_rows(RUN, step, selection.trainer_version), app_id=f"{RUN}:usage",
+                                txn_version=step)
         self.batches[step] = selection
         self.computing = (step, selection)
         self.polls_left = self.rng.randrange(4) if self.rng is not None else 0
@@ -494,7 +495,8 @@ class TwoEngines:
         finished = []
         for engine, count in ((0, len(self.held[0]) // 2), (1, 2 if len(self.held[1]) <= 12 else 1)):
             done, self.held[engine] = self.held[engine][:count], self.held[engine][count:]
-            finished += [Finished(int(rid.split("/")[0][1:]), GenResult(rid, [5] * 10, [-0.1] * 10, "stop", [0] * 10, 0),
+            finished += [Finished(int(rid.split("/")[0][1:]),
+                                  GenResult(rid, [5] * 10, [-0.1] * 10, "stop", [0] * 10, 0),
                                   10, engine) for rid in done]
         return Drained(finished, busy_s=1.0, in_flight=len(self.held[0]) + len(self.held[1]),
                        busy_by_engine={0: 1.0, 1: 1.0})

@@ -26,7 +26,8 @@ def test_a_flex_worker_switches_both_ways_and_loses_nothing(tmp_path: Path, refl
     out = tmp_path / "runs"
     overrides = {"run.total_steps": TOTAL_STEPS, "mode.kind": f'"{mode}"', "resources.flex_workers": 1,
                  "resources.flex_cpus": 0, "rollout.engine": '"transformers"', "pool.dwell_s": 3,
-                 "pool.window_s": 1, "pool.policy": '"alternate"', "pool.initial_role": '"train"', "model.tiny.sft_steps": 800, "env.max_terms": 3,
+                 "pool.window_s": 1, "pool.policy": '"alternate"', "pool.initial_role": '"train"',
+                 "model.tiny.sft_steps": 800, "env.max_terms": 3,
                  "model.cache_dir": f'"{tmp_path / "models"}"'}
     args = ["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(out)]
     for key, value in overrides.items():

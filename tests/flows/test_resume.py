@@ -48,7 +48,8 @@ def _checkpointed(run_dir: Path) -> int:
 
 # test row -> config overrides (sorted_partial: sync mode with SortedRL partial rounds)
 MODES = {"sync": ['mode.kind="sync"'], "async": ['mode.kind="async"'], "one_step_off": ['mode.kind="one_step_off"'],
-         "reflow": ['mode.kind="reflow"'], "sorted_partial": ['mode.kind="sync"', 'rollout.scheduling="sorted_partial"']}
+         "reflow": ['mode.kind="reflow"'],
+         "sorted_partial": ['mode.kind="sync"', 'rollout.scheduling="sorted_partial"']}
 
 
 @pytest.mark.slow

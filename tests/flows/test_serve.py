@@ -30,7 +30,8 @@ def _free_port() -> int:
 
 def _serve(port: int, cwd: Path) -> subprocess.Popen:
     # an environment as quiet as a `reflow run` leaves it (in-process tests before this one set it)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(cwd / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(cwd / "prefect"),
+           "PREFECT_LOGGING_LEVEL": "WARNING"}
     env.pop("PREFECT_API_URL", None)
     return subprocess.Popen([sys.executable, "-m", "reflow.cli.main", "serve", "--port", str(port),
                              "--runs", str(cwd / "runs")], cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -93,8 +94,10 @@ def test_train_form_switched_to_another_workload_takes_its_defaults(tmp_path: Pa
     math = _filled({**values, "env": {**values["env"], "kind": "math"}})
     assert form_config(math) == load_config(None, ["env.kind='math'", f"run.out_dir={json.dumps(str(tmp_path))}"])
     # sections that do not fit together: the flow run fails with a message that names the fields
-    sorted_async = {**values, "mode": {"kind": "async"}, "rollout": {**values["rollout"], "scheduling": "sorted_on_policy"}}
-    with pytest.raises(ConfigError, match=r"(?s)the train form.*rollout.scheduling='sorted_on_policy' needs mode.kind='sync'"):
+    sorted_async = {**values, "mode": {"kind": "async"},
+                    "rollout": {**values["rollout"], "scheduling": "sorted_on_policy"}}
+    with pytest.raises(ConfigError,
+                       match=r"(?s)the train form.*rollout.scheduling='sorted_on_policy' needs mode.kind='sync'"):
         form_config(_filled(sorted_async))
 
 
@@ -116,7 +119,8 @@ def test_evaluate_and_bench_forms_take_the_cli_flags(tmp_path: Path) -> None:
 
 def _field(page, label: str):
     """The innermost form property labelled ``label`` (Prefect's schema form)."""
-    title = page.locator("span.schema-form-property__label", has_text=re.compile(f"^{re.escape(label)}( \\(Optional\\))?$"))
+    title = page.locator("span.schema-form-property__label",
+                         has_text=re.compile(f"^{re.escape(label)}( \\(Optional\\))?$"))
     return page.locator("div.schema-form-property", has=title).last
 
 

@@ -375,7 +375,8 @@ SLEEP_SCRIPT = textwrap.dedent('''
         before = free()
         rested = eng.rest()
         after = free()
-        zeros = {k: torch.zeros_like(v) for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()}
+        zeros = {k: torch.zeros_like(v)
+                 for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()}
         eng.update_weights(zeros, version=4)
         second = generate_all(eng, [GenRequest(f"b{i}", [10 + i, 11, 12], max_tokens=8) for i in range(4)])
         rows = lambda rs: [dict(r.__dict__, version=r.version) for r in rs]

@@ -31,7 +31,8 @@ def test_every_logged_metric_has_one_grouped_name_and_back() -> None:
     assert len(grouped) == len(flat)  # no two metrics share an MLflow name
     assert {name.split("/")[0] for name in grouped} <= GROUPS and all(name.count("/") == 1 for name in grouped)
     assert {flat_name(name): value for name, value in grouped.items()} == flat
-    assert grouped["train/loss"] == 0.25 and grouped["eval/accuracy"] == 0.5 and grouped["eval/accuracy_baseline"] == 0.3
+    assert (grouped["train/loss"] == 0.25 and grouped["eval/accuracy"] == 0.5
+            and grouped["eval/accuracy_baseline"] == 0.3)
     assert grouped["timing/step_seconds"] == 2.0 and grouped["buffer/staleness_hist_1"] == 1.0
     assert grouped["perf/generated_tokens_per_s"] == 4.0 and grouped["batch/reward_mean"] == 0.5
     # every field of every record, logged or not in this step, has a name of its own

@@ -13,7 +13,8 @@ from reflow.storage.store import StorageError
 def _traj(run: str, step: int, prompt: int, k: int) -> Trajectory:
     return Trajectory(trajectory_id=f"{run}/{step}/p{prompt}/{k}", run_id=run, prompt_id=f"p{prompt}",
                       group_id=f"{run}/{step}/p{prompt}", sample_index=k, env="arith", rollout_step=step,
-                      policy_version=step, prompt_tokens=[5, 6], response_tokens=[7, 2], behaviour_logprobs=[-1.0, -2.0],
+                      policy_version=step, prompt_tokens=[5, 6], response_tokens=[7, 2],
+                      behaviour_logprobs=[-1.0, -2.0],
                       token_versions=[step, step], loss_mask=[1, 1], reward=float(k % 2), correct=bool(k % 2),
                       finish_reason="stop", response_length=2)
 
