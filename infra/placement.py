@@ -72,8 +72,27 @@ def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(address="local", num_cpus=cfg.resources.num_cpus, include_dashboard=False, **kwargs)
+        ray.init(address="local", num_cpus=cfg.resources.num_cpus, include_dashboard=False,
+                 _system_config={"num_workers_soft_limit": worker_soft_limit(cfg)}, **kwargs)
     interrupt_on_signals()  # Ray replaced the handler
+
+
+# Worker processes kept for Ray tasks (a snapshot's write, the deferred evaluation's reads, tool calls, code
+# tests) beside the actors' own.
+TASK_WORKERS = 2
+
+
+def worker_soft_limit(cfg: ReflowConfig) -> int:
+    """How many worker processes a local Ray keeps before it kills idle ones: the run's actors and
+    ``TASK_WORKERS``.
+
+    Ray's default is the node's CPU count, and every actor's process counts: with the CPUs all reserved by the
+    engines and the trainer, the worker a task ran in was killed a second after it finished and the next task
+    started a new one, which imports reflow and torch again (about 7 CPU-seconds on the 2-core machine; with
+    an evaluation every step, steps took 4.0 s instead of 2.5 s; docs/measurements.md, 2026-12-06).
+    """
+    res = cfg.resources
+    return max(res.num_cpus or os.cpu_count() or 1, res.engines + res.flex_workers + res.trainer_ranks + TASK_WORKERS)
 
 
 def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root: str,
