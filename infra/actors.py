@@ -45,6 +45,8 @@ from reflow.storage.schema import Drain, GenBatch
 
 def _restarted() -> bool:
     """Whether this actor is a restart by Ray of one that died (its state is gone)."""
+    if not ray.is_initialized():  # a class used directly (unit tests): get_runtime_context() would start a Ray
+        return False
     try:
         return ray.get_runtime_context().was_current_actor_reconstructed
     except Exception:  # not inside an actor (unit tests call the classes directly)
@@ -360,7 +362,8 @@ class TrainerWorker:
         """``self.trainer.<method>(*args)`` here and on every other rank at once (a collective); rank 0's result."""
         refs = [getattr(peer, method).remote(*args) for peer in self.peers]
         out = getattr(self.trainer, method)(*args)
-        ray.get(refs)
+        if refs:  # ray.get([]) outside Ray would start one (a one-rank worker used directly, as in unit tests)
+            ray.get(refs)
         return out
 
     def recover(self, run_dir: str, run_id: str) -> int:

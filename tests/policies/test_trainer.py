@@ -355,6 +355,18 @@ def test_trainer_worker_trains_each_logged_step_once(random_model_dir: Path, tmp
         assert torch.equal(value, worker.export_weights()[name]), name
 
 
+def test_a_worker_used_outside_ray_starts_no_ray() -> None:
+    """``ray.get_runtime_context()`` starts a local Ray when none runs: the worker classes used directly (as the
+    test above does) left one running for the rest of the session, and the next ``ray.init`` failed."""
+    import ray
+
+    from reflow.infra.actors import _restarted
+
+    assert not ray.is_initialized(), "a test before this one left Ray running"
+    assert _restarted() is False
+    assert not ray.is_initialized()
+
+
 def test_trainer_worker_trains_on_the_batch_it_prefetched(random_model_dir: Path, tmp_path: Path) -> None:
     """``prefetch`` reads a batch beside the step under way; ``train`` takes it only for the same batch."""
     from reflow.config.schema import ReflowConfig
