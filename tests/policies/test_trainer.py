@@ -355,15 +355,19 @@ def test_trainer_worker_trains_each_logged_step_once(random_model_dir: Path, tmp
         assert torch.equal(value, worker.export_weights()[name]), name
 
 
-def test_a_worker_used_outside_ray_starts_no_ray() -> None:
-    """``ray.get_runtime_context()`` starts a local Ray when none runs: the worker classes used directly (as the
-    test above does) left one running for the rest of the session, and the next ``ray.init`` failed."""
+def test_a_worker_used_outside_ray_starts_no_ray(random_model_dir: Path, tmp_path: Path) -> None:
+    """``ray.get([])`` and ``ray.get_runtime_context()`` start a local Ray when none runs: a one-rank trainer
+    worker used directly (as the unit tests do) left one running for the rest of the session, and the next
+    ``ray.init`` (a test's own Ray) failed."""
     import ray
 
-    from reflow.infra.actors import _restarted
+    from reflow.config.schema import ReflowConfig
+    from reflow.infra.actors import TrainerWorker, _restarted
 
     assert not ray.is_initialized(), "a test before this one left Ray running"
-    assert _restarted() is False
+    worker = TrainerWorker(str(random_model_dir), ReflowConfig().model_dump_json(), str(tmp_path / "tables"),
+                           threads=1)
+    assert worker.export_weights() and _restarted() is False
     assert not ray.is_initialized()
 
 
