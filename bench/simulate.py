@@ -86,7 +86,8 @@ class _Engine:
     max_sequences: int
     version: int = 0
     loaded_at: float = 0.0  # when the version it holds arrived
-    ids: list[tuple[int, int]] = field(default_factory=list)  # (group, sample) per running slot
+    group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per running slot: its group
+    sample: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # and its sample in the group
     remaining: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     context: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # version of the first token; -1
@@ -97,12 +98,12 @@ class _Engine:
 
     @property
     def requests(self) -> int:
-        return len(self.ids) + len(self.waiting)
+        return len(self.group) + len(self.waiting)
 
     def keep(self, slots: Sequence[int] | np.ndarray) -> None:
         """Only these running slots stay (in this order)."""
-        self.ids = [self.ids[i] for i in slots]
         index = np.asarray(slots, np.int64)
+        self.group, self.sample = self.group[index], self.sample[index]
         self.remaining, self.context = self.remaining[index], self.context[index]
         self.first, self.resumed = self.first[index], self.resumed[index]
 
@@ -159,7 +160,7 @@ class EnginePool:
     def abandon(self, groups: Sequence[int]) -> None:
         drop = set(groups)
         for e in self.engines:
-            e.keep([i for i, (g, _) in enumerate(e.ids) if g not in drop])
+            e.keep(np.flatnonzero(~np.isin(e.group, list(drop))))
             e.waiting = [w for w in e.waiting if w[0] not in drop]
 
     def release(self, index: int) -> None:
@@ -174,7 +175,8 @@ class EnginePool:
         the tokens this engine generated of it."""
         e = self.engines[index]
         out = [(index, (g, k, int(e.remaining[i]), int(e.context[i]) - self.prompt_tokens, int(e.first[i])),
-                int(e.context[i]) - self.prompt_tokens - int(e.resumed[i])) for i, (g, k) in enumerate(e.ids)]
+                int(e.context[i]) - self.prompt_tokens - int(e.resumed[i]))
+               for i, (g, k) in enumerate(zip(e.group.tolist(), e.sample.tolist()))]
         out += [(index, r, 0) for r in e.waiting]
         e.keep([])
         e.waiting = []
@@ -230,11 +232,12 @@ class EnginePool:
 
     def _admit(self, e: _Engine) -> int:
         """Fill free slots from the waiting requests; their prompt tokens are prefilled in the next step."""
-        room = e.max_sequences - len(e.ids)
+        room = e.max_sequences - len(e.group)
         if room <= 0 or not e.waiting:
             return 0
         new, e.waiting = e.waiting[:room], e.waiting[room:]
-        e.ids += [(g, k) for g, k, *_ in new]
+        e.group = np.concatenate([e.group, np.asarray([g for g, *_ in new], np.int64)])
+        e.sample = np.concatenate([e.sample, np.asarray([k for _, k, *_ in new], np.int64)])
         e.remaining = np.concatenate([e.remaining, np.asarray([n for _, _, n, _, _ in new], np.int64)])
         context = [self.prompt_tokens + prefix for _, _, _, prefix, _ in new]
         e.context = np.concatenate([e.context, np.asarray(context, np.int64)])
@@ -245,7 +248,7 @@ class EnginePool:
     def _run(self, e: _Engine, index: int, t: float, until: float, prefill: int,
              out: list[SimSample]) -> tuple[float, float]:
         """Steps until the next response finishes or ``until`` passes; (time after, slot-seconds)."""
-        n = len(e.ids)
+        n = len(e.group)
         horizon = int(e.remaining.min())
         slow = (self.cost.slowdown_while_training if self.trainer_busy(t) else 1.0) * self.streaming
         if self.machine.cores is not None:  # actors sharing the cores: counted when the engine's step starts
@@ -265,7 +268,7 @@ class EnginePool:
         done = np.flatnonzero(e.remaining <= 0)
         if done.size:
             for i in done:
-                g, k = e.ids[i]
+                g, k = int(e.group[i]), int(e.sample[i])
                 length = int(e.context[i]) - self.prompt_tokens
                 rewards = self.rewards[g]
                 out.append(SimSample(f"g{g}/{k}", g, k, int(e.first[i]), length, float(rewards[k]),
@@ -311,7 +314,8 @@ class _RoundOnEngine:
                 goal.observe(result)
                 finished.append(result)
         aborted = [_result(g, k, int(e.context[i]) - pool.prompt_tokens, int(e.first[i]) if e.first[i] >= 0
-                           else e.version, e.version, "abort") for i, (g, k) in enumerate(e.ids)]
+                           else e.version, e.version, "abort")
+                   for i, (g, k) in enumerate(zip(e.group.tolist(), e.sample.tolist()))]
         e.keep([])
         e.waiting = []
         self.busy = t - self.start

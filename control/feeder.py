@@ -126,6 +126,7 @@ class FeederLoop:
         # flex worker gives back move to another)
         self._where: dict[int, Counter[int]] = {}
         self._partial: dict[int, list[Finished]] = {}
+        self._oldest: dict[int, int] = {}  # group with finished samples -> their oldest version (as _partial)
         self._complete: dict[int, list[Finished]] = {}
         self._abandoned: set[int] = set()  # groups given up while in flight (results still arriving are dropped)
         self._handle: Any = None
@@ -258,12 +259,12 @@ class FeederLoop:
         """
         with self.state.cond:
             oldest_ok = self.state.trainer_version - self.gate.max_staleness_versions
-        hopeless = [g for g, items in self._partial.items() if min(i.result.version for i in items) < oldest_ok]
+        hopeless = [g for g, version in self._oldest.items() if version < oldest_ok]
         if not hopeless:
             return
         self.backend.abandon(hopeless)
         for g in hopeless:
-            del self._partial[g]
+            del self._partial[g], self._oldest[g]
             for engine, outstanding in self._where.pop(g).items():
                 self._in_flight -= outstanding
                 self._in_flight_by_engine[engine] -= outstanding
@@ -324,8 +325,11 @@ class FeederLoop:
                 finished[item.engine] = finished.get(item.engine, 0) + 1
                 self._where[item.group][item.engine] -= 1
                 self._partial.setdefault(item.group, []).append(item)
+                version = item.result.version
+                self._oldest[item.group] = min(self._oldest.get(item.group, version), version)
                 if len(self._partial[item.group]) == self.backend.samples_per_group:
                     self._complete[item.group] = self._partial.pop(item.group)
+                    del self._oldest[item.group]
                     del self._where[item.group]
             # Admission is in whole groups, so a full engine sits up to one group below its target.
             saturated = {i: self._in_flight_by_engine[i] + self.backend.samples_per_group > self.controllers[i].target
