@@ -24,6 +24,7 @@ import heapq
 import itertools
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,7 @@ class SimScheduler:
         self._heap: list[tuple[float, int, int, SimTask]] = []  # (at, order, token, task)
         self._order = itertools.count()
         self._tasks: dict[int, SimTask] = {}  # thread ident -> task
+        self.cpu_s = 0.0  # CPU seconds the simulation's threads used (each its own, time.thread_time)
 
     # the Clock interface
     def now(self) -> float:
@@ -71,9 +73,11 @@ class SimScheduler:
         """Run ``main`` in the calling thread as the simulation's first thread; returns what it returns."""
         me = SimTask("main")
         self._tasks[threading.get_ident()] = me
+        start = time.thread_time()
         try:
             return main()
         finally:
+            self.cpu_s += time.thread_time() - start
             del self._tasks[threading.get_ident()]
 
     def spawn(self, body: Callable[[], Any], name: str) -> SimTask:
@@ -84,11 +88,13 @@ class SimScheduler:
             self._tasks[threading.get_ident()] = task
             task.turn.wait()
             task.turn.clear()
+            start = time.thread_time()
             try:
                 body()
             except BaseException as exc:  # noqa: BLE001 - kept for join
                 task.error = exc
             finally:
+                self.cpu_s += time.thread_time() - start
                 task.done = True
                 for joiner in task.joiners:
                     self._wake(joiner)

@@ -58,6 +58,8 @@ class SimResult:
     est_time_to_target_s: float | None = None  # a bench's samples to target / new_samples_per_s (module doc)
     role_switches: int = 0  # the elastic pool's (resources.flex_workers)
     helper_steps: int = 0  # steps a flex worker computed a share of
+    # streaming: CPU seconds per step of the real control-plane code in the simulation (SimRun.cpu_s); None: rounds
+    control_cpu_s_per_step: float | None = None
 
 
 def summarise(run: SimRun) -> SimResult:
@@ -77,7 +79,8 @@ def summarise(run: SimRun) -> SimResult:
         staleness_mean=statistics.fmean(s.staleness_mean for s in steps),
         replay_share=statistics.fmean(s.replay_share for s in steps),
         bubble_ratio=statistics.fmean(bubbles) if bubbles else None, new_samples=new,
-        role_switches=run.switches, helper_steps=run.helper_steps)
+        role_switches=run.switches, helper_steps=run.helper_steps,
+        control_cpu_s_per_step=(run.cpu_s - run.model_cpu_s) / len(steps) if run.cpu_s else None)
 
 
 def with_targets(results: list[SimResult], bench: list[mode_bench.ModeResult]) -> list[SimResult]:
@@ -124,6 +127,10 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
             + (f"{e['est_time_to_target_s']:>18.1f}" if e.get("est_time_to_target_s") else f"{'-':>18}"))
     rows.append("* simulated: a bench's new samples to target / the simulated new samples per second "
                 "(a simulator cannot learn)")
+    cpu = [f"{mode} {e['control_cpu_s_per_step']:.3f} s" for mode, e in summary.items()
+           if e.get("control_cpu_s_per_step") is not None]
+    if cpu:
+        rows.append("control plane CPU per step (this machine, the loops' own code): " + ", ".join(cpu))
     return "\n".join(rows)
 
 

@@ -36,7 +36,9 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -403,36 +405,56 @@ class SimRun:
     windows: int = 0  # streaming: drain windows started
     switches: int = 0  # the elastic pool's role switches
     helper_steps: int = 0  # steps a flex worker computed a share of
+    # streaming: CPU seconds of the simulation's threads, and of those spent in the models (engines, trainer); the
+    # rest is the control plane's (the loops, gate, controllers, scheduler, selection query; the turn hand-overs)
+    cpu_s: float = 0.0
+    model_cpu_s: float = 0.0
+
+
+@contextmanager
+def _modelled(run: SimRun) -> Iterator[None]:
+    """Count the CPU of the block (in this thread, which does not give up its turn in it) as the models'."""
+    start = time.thread_time()
+    try:
+        yield
+    finally:
+        run.model_cpu_s += time.thread_time() - start
 
 
 class _Feeder:
     """``control.feeder.FeederBackend`` over the modelled pool and buffer."""
 
-    def __init__(self, sched: SimScheduler, pool: EnginePool, buffer: SimBuffer, profile: SimProfile) -> None:
-        self.sched, self.pool, self.buffer, self.driver = sched, pool, buffer, profile.driver
+    def __init__(self, sched: SimScheduler, pool: EnginePool, buffer: SimBuffer, profile: SimProfile,
+                 run: SimRun) -> None:
+        self.sched, self.pool, self.buffer, self.driver, self.run = sched, pool, buffer, profile.driver, run
         self.samples_per_group = pool.samples
         self.windows = 0
 
     def submit(self, groups: Sequence[int], engine: int = 0) -> None:
-        self.pool.submit(groups, to=engine)
+        with _modelled(self.run):
+            self.pool.submit(groups, to=engine)
 
     def start_drain(self, window_s: float) -> Window:
         self.windows += 1
-        return self.pool.step(self.sched.now() + self.driver.window_gap_s, window_s)
+        with _modelled(self.run):
+            return self.pool.step(self.sched.now() + self.driver.window_gap_s, window_s)
 
     def wait_drain(self, handle: Window) -> Drained:
         self.sched.wait_until(handle.end)
-        items = [Finished(s.group, s, s.length - s.resumed, s.engine) for s in handle.finished]
-        released = [Released(request[0], request, engine, tokens) for engine, request, tokens in handle.released]
+        with _modelled(self.run):
+            items = [Finished(s.group, s, s.length - s.resumed, s.engine) for s in handle.finished]
+            released = [Released(request[0], request, engine, tokens) for engine, request, tokens in handle.released]
         # busy_s is the pool's mean, as the real feeder's (``Drained``): the scheduler's engine wait reads it
         return Drained(items, busy_s=handle.busy_s / len(self.pool.engines), in_flight=self.pool.in_flight,
                        busy_by_engine=handle.busy_by_engine, released=released)
 
     def release(self, engine: int) -> None:
-        self.pool.release(engine)
+        with _modelled(self.run):
+            self.pool.release(engine)
 
     def resubmit(self, requests: Sequence[tuple[int, int, int, int, int]], engine: int) -> None:
-        self.pool.resubmit(requests, engine)
+        with _modelled(self.run):
+            self.pool.resubmit(requests, engine)
 
     def write(self, chunk: int, groups: dict[int, list[Finished]]) -> None:
         samples = [f.result for g in sorted(groups) for f in groups[g]]
@@ -440,7 +462,8 @@ class _Feeder:
         self.buffer.append(samples)
 
     def abandon(self, groups: Sequence[int]) -> None:
-        self.pool.abandon(groups)
+        with _modelled(self.run):
+            self.pool.abandon(groups)
 
 
 @dataclass
@@ -485,6 +508,10 @@ class _Selector:
 
     def start_train(self, step: int, selection: ReplaySelection) -> _Update:
         self.buffer.record_usage(selection)
+        with _modelled(self.run):
+            return self._model_step(step, selection)
+
+    def _model_step(self, step: int, selection: ReplaySelection) -> _Update:
         tokens = sum(self.buffer.tokens[t] for t in selection.trajectory_ids)
         # flex workers ready to train take an equal token share; each loads the weights and returns gradients
         helpers = len(self.loops.pool.ready()) if self.loops.pool is not None else 0
@@ -553,7 +580,7 @@ def _streaming(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Call
     buffer = SimBuffer()
     loops = StreamingLoops(cfg, sched, engines=engines)
     loops.state.cond = sched.condition()  # the loops meet on it; in virtual time
-    feed = _Feeder(sched, pool, buffer, profile)
+    feed = _Feeder(sched, pool, buffer, profile, run)
     feeder = loops.feeder(feed)
     selector = loops.selector_loop(_Selector(sched, cfg, pool, buffer, profile, loops, run, progress))
     total = cfg.run.total_steps
@@ -567,6 +594,7 @@ def _streaming(cfg: ReflowConfig, profile: SimProfile, seed: int, progress: Call
             sched.join(task)
 
     sched.run(main)
+    run.cpu_s = sched.cpu_s
     run.windows = feed.windows
     if loops.pool is not None:
         run.switches = loops.pool.scheduler.switches

@@ -599,3 +599,14 @@ def test_a_stored_bench_is_simulated_with_the_config_its_runs_read() -> None:
     now = mode_config(config, meta["overrides"], "async", 0, False)
     assert (then.buffer.max_staleness_versions, now.buffer.max_staleness_versions) == (8, 4)
     assert then.rollout == now.rollout and then.run.total_steps == now.run.total_steps
+
+
+def test_the_control_plane_cpu_is_the_loops_threads_less_the_models() -> None:
+    """Streaming modes report the real loops' CPU per step (the simulation threads' CPU less the engine and trainer
+    models'); rounds run no loop and report none."""
+    prof = profile([[5, 6, 5, 4]], [[1, 0, 1, 0]])
+    streamed = simulate(small("async"), prof, 0)
+    assert 0 < streamed.model_cpu_s < streamed.cpu_s
+    per_step = summarise(streamed).control_cpu_s_per_step
+    assert per_step is not None and 0 < per_step * len(streamed.steps) < streamed.cpu_s
+    assert summarise(simulate(small("sync"), prof, 0)).control_cpu_s_per_step is None
