@@ -42,8 +42,7 @@ def quiet_environment(verbose: bool) -> None:
         os.environ["REFLOW_VERBOSE"] = "1"
     else:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-        # The ephemeral Prefect server logs a CancelledError traceback through the root logger
-        # when it is stopped at exit (a race in its sqlite pool); keep the root logger quiet.
+        # Libraries that log through the root logger (the ephemeral server's own console: start_prefect_api).
         os.environ.setdefault("PREFECT_LOGGING_ROOT_LEVEL", "CRITICAL")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("RAY_LOG_TO_DRIVER_EVENT_LEVEL", "ERROR")
@@ -51,8 +50,8 @@ def quiet_environment(verbose: bool) -> None:
 
 def start_prefect_api() -> None:
     """Start the ephemeral Prefect API now (unless PREFECT_API_URL names a server), with a watchdog that
-    stops it if this process is killed before its exit handlers run."""
-    start_ephemeral_server()
+    stops it if this process is killed before its exit handlers run. Its console is quiet unless --verbose."""
+    start_ephemeral_server(quiet=os.environ.get("REFLOW_VERBOSE") != "1")
 
 
 def preflight(cfg: ReflowConfig) -> None:

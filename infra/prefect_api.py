@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 # Runs as `python -c WATCHDOG DRIVER_PID SERVER_PID`, a child of the driver (so its parent changes when the
 # driver dies). Then it stops the server, and Ray's processes left in the driver's process group: with its
@@ -72,8 +74,33 @@ def prefect_server_pid() -> int | None:
     return _SERVER_PID
 
 
-def start_ephemeral_server() -> int | None:
-    """Start Prefect's ephemeral API server and its watchdog; the server's pid (None with ``PREFECT_API_URL``)."""
+# The server's own console handler (Prefect's logging.yml, ``handlers.console.level``). A server stopped at exit
+# while a request is in flight logs sqlalchemy's "Exception during reset or similar" with a CancelledError
+# traceback: sqlalchemy sets its "sqlalchemy" logger to WARNING when imported, so a quiet root logger does not
+# hide it; only the handler's level does.
+QUIET_SERVER_ENV = {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "CRITICAL"}
+
+
+@contextmanager
+def _environment(extra: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``extra`` for the child processes started inside, as it was afterwards."""
+    before = {key: os.environ.get(key) for key in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def start_ephemeral_server(quiet: bool = False) -> int | None:
+    """Start Prefect's ephemeral API server and its watchdog; the server's pid (None with ``PREFECT_API_URL``).
+
+    ``quiet``: the server prints only critical records (this process's console is left as it is).
+    """
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
@@ -81,7 +108,8 @@ def start_ephemeral_server() -> int | None:
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer()  # the instance Prefect's clients use in ephemeral mode
-    server.start()
+    with _environment(QUIET_SERVER_ENV if quiet else {}):
+        server.start()
     if server.server_process is None:
         return None
     global _SERVER_PID
