@@ -33,10 +33,12 @@ the roles also use; there are no checkpoints, evaluations or restarts.
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -81,33 +83,76 @@ class SimSample:
     resumed: int = 0  # tokens of it another engine generated before it was moved to this one
 
 
+# A waiting request: (group, sample, tokens to generate, tokens already generated (a resumed partial), version of its
+# first token or -1)
+Request = tuple[int, int, int, int, int]
+
+
 @dataclass
 class _Engine:
-    """One engine's requests: running (arrays, one slot per sequence) and waiting (in admission order)."""
+    """One engine's requests: running (by admission, each with the engine step it finishes at) and waiting.
+
+    Decode steps are counted on the engine (``clock``): a sequence admitted at
+    step ``a`` with context ``c`` has ``c + clock - a`` tokens in context, so
+    the context of all running sequences is ``base + running * clock``, and
+    the next to finish is the head of a heap. A step of the model costs
+    O(1); a finish, O(log running).
+    """
 
     max_sequences: int
     version: int = 0
     loaded_at: float = 0.0  # when the version it holds arrived
-    group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per running slot: its group
-    sample: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # and its sample in the group
-    remaining: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    context: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # version of the first token; -1
-    resumed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens it came with (a moved one)
-    # (group, sample, tokens to generate, tokens already generated (a resumed partial), version of its first token
-    # or -1), in admission order
-    waiting: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    clock: int = 0  # decode steps taken
+    # admission number -> [group, sample, version of its first token, tokens it came with (a moved one), context at
+    # admission, clock at admission, clock it finishes at], in admission order
+    running: dict[int, list[int]] = field(default_factory=dict)
+    heap: list[tuple[int, int]] = field(default_factory=list)  # (clock it finishes at, admission number)
+    base: int = 0  # sum over running of (context at admission - clock at admission)
+    admitted: int = 0
+    waiting: deque[Request] = field(default_factory=deque)  # in admission order
 
     @property
     def requests(self) -> int:
-        return len(self.group) + len(self.waiting)
+        return len(self.running) + len(self.waiting)
 
-    def keep(self, slots: Sequence[int] | np.ndarray) -> None:
-        """Only these running slots stay (in this order)."""
-        index = np.asarray(slots, np.int64)
-        self.group, self.sample = self.group[index], self.sample[index]
-        self.remaining, self.context = self.remaining[index], self.context[index]
-        self.first, self.resumed = self.first[index], self.resumed[index]
+    def admit(self, request: Request, prompt_tokens: int) -> int:
+        """Start ``request`` (its first token is sampled at this version unless it came with one); its context."""
+        g, k, remaining, prefix, first = request
+        context = prompt_tokens + prefix
+        self.running[self.admitted] = [g, k, first if first >= 0 else self.version, prefix, context, self.clock,
+                                       self.clock + remaining]
+        heapq.heappush(self.heap, (self.clock + remaining, self.admitted))
+        self.base += context - self.clock
+        self.admitted += 1
+        return context
+
+    def context(self, slot: list[int]) -> int:
+        """Tokens in context of a running ``slot`` (prompt and response so far)."""
+        return slot[4] + self.clock - slot[5]
+
+    def finished(self) -> list[list[int]]:
+        """The running sequences whose last token came with the last step (admission order), removed."""
+        done = []
+        while self.heap and self.heap[0][0] <= self.clock:
+            _, key = heapq.heappop(self.heap)
+            slot = self.running.pop(key, None)
+            if slot is not None:  # else dropped before (``keep``)
+                self.base -= slot[4] - slot[5]
+                done.append(slot)
+        return done
+
+    def next_finish(self) -> int:
+        """Steps until the next running sequence finishes."""
+        while self.heap[0][1] not in self.running:
+            heapq.heappop(self.heap)
+        return self.heap[0][0] - self.clock
+
+    def keep(self, groups: set[int] | None = None) -> None:
+        """Only the running sequences of ``groups`` stay (None: none)."""
+        self.running = {key: slot for key, slot in self.running.items() if groups is not None and slot[0] in groups}
+        self.heap = [(slot[6], key) for key, slot in self.running.items()]
+        heapq.heapify(self.heap)
+        self.base = sum(slot[4] - slot[5] for slot in self.running.values())
 
 
 @dataclass
@@ -121,7 +166,7 @@ class Window:
     busy_by_engine: dict[int, float] = field(default_factory=dict)  # engine index -> its stepping seconds
     # (engine, request, tokens the engine generated of it) given back before the window (``EnginePool.release``), a
     # request as ``_Engine.waiting``
-    released: list[tuple[int, tuple[int, int, int, int, int], int]] = field(default_factory=list)
+    released: list[tuple[int, Request, int]] = field(default_factory=list)
 
 
 class EnginePool:
@@ -135,6 +180,7 @@ class EnginePool:
         self.samples, self.max_response_tokens = samples, max_response_tokens
         self.engines = [_Engine(max_sequences) for _ in range(engines)]
         self.rewards: dict[int, np.ndarray] = {}
+        self.varied: dict[int, bool] = {}  # group -> its rewards differ (an all-equal group is not trained)
         self.lengths_of: dict[int, np.ndarray] = {}
         self.pushed: list[tuple[float, int]] = []  # (arrival time, version) of weights on their way
         self.training: list[tuple[float, float, int]] = []  # the trainer's compute intervals, and actors computing
@@ -156,32 +202,34 @@ class EnginePool:
         """The response lengths of group ``g``'s samples (drawn with its rewards the first time it is asked)."""
         if g not in self.lengths_of:
             lengths, self.rewards[g] = self.lengths.group(self.rng, self.samples, self.measured, g)
+            self.varied[g] = bool(self.rewards[g].min() != self.rewards[g].max())
             self.lengths_of[g] = np.minimum(lengths, self.max_response_tokens)
         return self.lengths_of[g]
 
     def abandon(self, groups: Sequence[int]) -> None:
         drop = set(groups)
         for e in self.engines:
-            e.keep(np.flatnonzero(~np.isin(e.group, list(drop))))
-            e.waiting = [w for w in e.waiting if w[0] not in drop]
+            if any(slot[0] in drop for slot in e.running.values()):
+                e.keep({slot[0] for slot in e.running.values()} - drop)
+            e.waiting = deque(w for w in e.waiting if w[0] not in drop)
 
     def release(self, index: int) -> None:
         self.releasing.add(index)
 
-    def resubmit(self, requests: Sequence[tuple[int, int, int, int, int]], to: int) -> None:
+    def resubmit(self, requests: Sequence[Request], to: int) -> None:
         """Requests another engine gave back: queued on engine ``to``, to prefill prompt and prefix again."""
         self.engines[to].waiting += list(requests)
 
-    def _give_back(self, index: int) -> list[tuple[int, tuple[int, int, int, int, int], int]]:
+    def _give_back(self, index: int) -> list[tuple[int, Request, int]]:
         """Everything engine ``index`` holds, as waiting requests (running ones with what they generated), each with
         the tokens this engine generated of it."""
         e = self.engines[index]
-        out = [(index, (g, k, int(e.remaining[i]), int(e.context[i]) - self.prompt_tokens, int(e.first[i])),
-                int(e.context[i]) - self.prompt_tokens - int(e.resumed[i]))
-               for i, (g, k) in enumerate(zip(e.group.tolist(), e.sample.tolist()))]
+        out = [(index, (g, k, finish - e.clock, e.context(slot) - self.prompt_tokens, first),
+                e.context(slot) - self.prompt_tokens - resumed)
+               for slot in e.running.values() for g, k, first, resumed, _, _, finish in [slot]]
         out += [(index, r, 0) for r in e.waiting]
-        e.keep([])
-        e.waiting = []
+        e.keep()
+        e.waiting.clear()
         return out
 
     def push(self, version: int, arrives: float) -> None:
@@ -234,28 +282,22 @@ class EnginePool:
 
     def _admit(self, e: _Engine) -> int:
         """Fill free slots from the waiting requests; their prompt tokens are prefilled in the next step."""
-        room = e.max_sequences - len(e.group)
+        room = e.max_sequences - len(e.running)
         if room <= 0 or not e.waiting:
             return 0
-        new, e.waiting = e.waiting[:room], e.waiting[room:]
-        e.group = np.concatenate([e.group, np.asarray([g for g, *_ in new], np.int64)])
-        e.sample = np.concatenate([e.sample, np.asarray([k for _, k, *_ in new], np.int64)])
-        e.remaining = np.concatenate([e.remaining, np.asarray([n for _, _, n, _, _ in new], np.int64)])
-        context = [self.prompt_tokens + prefix for _, _, _, prefix, _ in new]
-        e.context = np.concatenate([e.context, np.asarray(context, np.int64)])
-        e.first = np.concatenate([e.first, np.asarray([first for *_, first in new], np.int64)])
-        e.resumed = np.concatenate([e.resumed, np.asarray([prefix for _, _, _, prefix, _ in new], np.int64)])
-        return int(sum(context))  # a resumed partial prefills its prefix again (its KV cache went with the weights)
+        new = [e.waiting.popleft() for _ in range(min(room, len(e.waiting)))]
+        # a resumed partial prefills its prefix again (its KV cache went with the weights)
+        return sum(e.admit(request, self.prompt_tokens) for request in new)
 
     def _run(self, e: _Engine, index: int, t: float, until: float, prefill: int,
              out: list[SimSample]) -> tuple[float, float]:
         """Steps until the next response finishes or ``until`` passes; (time after, slot-seconds)."""
-        n = len(e.group)
-        horizon = int(e.remaining.min())
+        n = len(e.running)
+        horizon = e.next_finish()
         slow = (self.cost.slowdown_while_training if self.trainer_busy(t) else 1.0) * self.streaming
         if self.machine.cores is not None:  # actors sharing the cores: counted when the engine's step starts
             slow *= self.machine.factor(self.generating() + self.training_actors(t))
-        context = float(e.context.sum())
+        context = float(e.base + n * e.clock)
         steps, slots = 0, 0.0
         while steps < horizon and t < until:
             s = self.cost.step_s(n, context, prefill) * slow
@@ -264,18 +306,11 @@ class EnginePool:
             slots += n * s
             context += n
             steps += 1
-        e.first[e.first < 0] = e.version
-        e.remaining -= steps
-        e.context += steps
-        done = np.flatnonzero(e.remaining <= 0)
-        if done.size:
-            for i in done:
-                g, k = int(e.group[i]), int(e.sample[i])
-                length = int(e.context[i]) - self.prompt_tokens
-                rewards = self.rewards[g]
-                out.append(SimSample(f"g{g}/{k}", g, k, int(e.first[i]), length, float(rewards[k]),
-                                     bool(rewards.min() != rewards.max()), index, int(e.resumed[i])))
-            e.keep(np.flatnonzero(e.remaining > 0))
+        e.clock += steps
+        for slot in e.finished():
+            g, k, first, resumed = slot[:4]
+            out.append(SimSample(f"g{g}/{k}", g, k, first, e.context(slot) - self.prompt_tokens,
+                                 float(self.rewards[g][k]), self.varied[g], index, resumed))
         return t, slots
 
 
@@ -315,11 +350,10 @@ class _RoundOnEngine:
                 result = _result(sample.group, sample.sample, sample.length, sample.version, e.version, "stop")
                 goal.observe(result)
                 finished.append(result)
-        aborted = [_result(g, k, int(e.context[i]) - pool.prompt_tokens, int(e.first[i]) if e.first[i] >= 0
-                           else e.version, e.version, "abort")
-                   for i, (g, k) in enumerate(zip(e.group.tolist(), e.sample.tolist()))]
-        e.keep([])
-        e.waiting = []
+        aborted = [_result(slot[0], slot[1], e.context(slot) - pool.prompt_tokens, slot[2], e.version, "abort")
+                   for slot in e.running.values()]
+        e.keep()
+        e.waiting.clear()
         self.busy = t - self.start
         return RoundRun(finished=finished, aborted=aborted, started=started, seconds=t - self.start,
                         busy_slot_seconds=slots, steps=0)
@@ -452,7 +486,7 @@ class _Feeder:
         with _modelled(self.run):
             self.pool.release(engine)
 
-    def resubmit(self, requests: Sequence[tuple[int, int, int, int, int]], engine: int) -> None:
+    def resubmit(self, requests: Sequence[Request], engine: int) -> None:
         with _modelled(self.run):
             self.pool.resubmit(requests, engine)
 
