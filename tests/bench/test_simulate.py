@@ -149,6 +149,24 @@ def test_a_request_given_back_credits_each_engine_the_tokens_it_generated() -> N
     assert {s.resumed for s in pool.step(0.0, math.inf).finished} == {0}
 
 
+def test_an_abandoned_group_frees_its_slots_and_the_others_finish_at_their_own_lengths() -> None:
+    """Two slots, three groups: dropping the running group mid-way admits the next into its slots (their context
+    starting at the prompt), and sequences finishing at the same step come out in admission order."""
+    prof = profile([[6, 6], [2, 9], [4, 4]], base=0.1, per_seq=0.0)  # drawn as below with this seed
+    pool = EnginePool(prof, engines=1, max_sequences=2, samples=2, rng=np.random.default_rng(0),
+                      max_response_tokens=100)
+    pool.submit([0, 1, 2], to=0)
+    assert {g: pool.group_lengths(g).tolist() for g in range(3)} == {0: [4, 4], 1: [6, 6], 2: [2, 9]}
+    first = pool.step(0.0, 0.25)  # 3 steps of group 0: 3 of its 4 tokens each
+    assert not first.finished and pool.in_flight == 6
+    pool.abandon([0])
+    assert pool.in_flight == 4
+    rest = pool.step(first.end, math.inf)
+    # group 1 from step 3 to 9 (both at once); group 2 then: sample 0 ends at step 11, sample 1 at 18
+    assert [(s.group, s.sample, s.length) for s in rest.finished] == [(1, 0, 6), (1, 1, 6), (2, 0, 2), (2, 1, 9)]
+    assert rest.end == pytest.approx(1.8) and pool.in_flight == 0
+
+
 def test_a_lognormal_profile_matches_its_stated_quantiles() -> None:
     lengths = Lengths(source="test", prompt_tokens=100, p50=3000, p99=16000, max=20480)
     rng = np.random.default_rng(0)
