@@ -39,7 +39,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +212,14 @@ class EnginePool:
             if any(slot[0] in drop for slot in e.running.values()):
                 e.keep({slot[0] for slot in e.running.values()} - drop)
             e.waiting = deque(w for w in e.waiting if w[0] not in drop)
+        self.forget(drop)
+
+    def forget(self, groups: Iterable[int]) -> None:
+        """Groups no engine will run again (written whole, or abandoned): their lengths and rewards go."""
+        for g in groups:
+            self.lengths_of.pop(g, None)
+            self.rewards.pop(g, None)
+            self.varied.pop(g, None)
 
     def release(self, index: int) -> None:
         self.releasing.add(index)
@@ -372,35 +380,42 @@ def loss_tokens(sample: SimSample) -> int:
 
 class SimBuffer:
     """The buffer's selection over modelled rows: ``TrajectoryStore.select`` on a ``SelectionWindow``, as the
-    Delta store runs it, fed by the simulated appends."""
+    Delta store runs it, fed by the simulated appends.
+
+    It keeps the window only (the Delta store keeps every row in its tables): the run's floors only rise, so
+    the rows and loss tokens below the floor are never read again, and a simulation's memory follows the
+    window, not the run.
+    """
 
     def __init__(self) -> None:
         self.window = SelectionWindow(RUN, -(2**62), {})  # every version, until the first selection advances it
         self.tokens: dict[str, int] = {}  # trajectory id -> loss tokens the trainer computes (0: skipped)
-        self._rows: dict[str, list[pa.Table]] = {TRAJECTORIES: [], USAGE: []}  # everything appended (the tables)
+        self._ids: dict[int, list[str]] = {}  # policy version -> its trajectory ids in ``tokens``
 
     def append(self, samples: Sequence[SimSample]) -> None:
         rows = {"run_id": [RUN] * len(samples), "trajectory_id": [s.request_id for s in samples],
                 "group_id": [f"g{s.group}" for s in samples], "sample_index": [s.sample for s in samples],
                 "policy_version": [s.version for s in samples], "reward": [s.reward for s in samples]}
-        self._add(TRAJECTORIES, pa.table(rows, schema=WINDOW_SCHEMAS[TRAJECTORIES]))
-        self.tokens.update((s.request_id, loss_tokens(s)) for s in samples)
+        self.window.add(TRAJECTORIES, pa.table(rows, schema=WINDOW_SCHEMAS[TRAJECTORIES]))
+        for s in samples:
+            if s.version >= self.window.floor:  # older rows never enter the window
+                self.tokens[s.request_id] = loss_tokens(s)
+                self._ids.setdefault(s.version, []).append(s.request_id)
 
     def record_usage(self, selection: ReplaySelection) -> None:
         rows = {"run_id": [RUN] * len(selection.trajectory_ids), "trajectory_id": selection.trajectory_ids,
                 "trainer_version": [selection.trainer_version] * len(selection.trajectory_ids)}
-        self._add(USAGE, pa.table(rows, schema=WINDOW_SCHEMAS[USAGE]))
-
-    def _add(self, name: str, table: pa.Table) -> None:
-        self._rows[name].append(table)
-        self.window.add(name, table)
+        self.window.add(USAGE, pa.table(rows, schema=WINDOW_SCHEMAS[USAGE]))
 
     def select(self, run_id: str, floor: int, sql: str) -> pa.Table:
         """``TrajectoryStore.select``: the selection's SQL over the window from ``floor`` on."""
-        if floor < self.window.floor:  # as the Delta store does: the window read afresh from every row
-            self.window = SelectionWindow(RUN, floor, {name: pa.concat_tables(parts) for name, parts in
-                                                       self._rows.items() if parts})
+        if floor < self.window.floor:  # the Delta store would read its tables afresh; the rows are gone here
+            raise ValueError(f"simulated buffer: a selection from version {floor}, below the window's floor "
+                             f"{self.window.floor} (the floors of a run only rise)")
         self.window.advance(floor)
+        for version in [v for v in self._ids if v < floor]:
+            for trajectory in self._ids.pop(version):
+                self.tokens.pop(trajectory, None)
         return run_sql(self.window.tables(), sql)
 
 
@@ -494,6 +509,7 @@ class _Feeder:
         samples = [f.result for g in sorted(groups) for f in groups[g]]
         self.sched.sleep(self.driver.write_s + self.driver.write_sample_s * len(samples))
         self.buffer.append(samples)
+        self.pool.forget(groups)
 
     def abandon(self, groups: Sequence[int]) -> None:
         with _modelled(self.run):
