@@ -37,13 +37,14 @@ Each figure comes from what the runs logged (``steps.jsonl``) and wrote
   policy a mode trains writes responses of its own lengths (async's
   averaged 44.2 tokens where sync's averaged 37.9, seed 0, 2026-12-05),
   and a simulator cannot learn, so each mode draws from its own runs.
-* **traces** (``bench_traces``): every group each run wrote, in
+* **traces** (``bench_traces``): every group each run wrote, and every
+  group a streaming run gave up in flight (``_given_up_groups``), in
   train-stream order. A simulation of that run replays them (simulated
   group ``g`` is the run's group at stream position ``g``), so a sync round
-  waits for the same longest response its real round did; fitting the
-  streaming factors and ``--validate`` use them. The profile keeps a
-  sample of each run's groups, drawn at random, for simulations of other
-  runs.
+  waits for the same longest response its real round did, and a streaming
+  run generates the long groups it gave up; fitting the streaming factors
+  and ``--validate`` use them. The profile keeps a sample of each run's
+  written groups, drawn at random, for simulations of other runs.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from reflow.bench.sim_profile import (
     TrainerCost,
 )
 from reflow.bench.simulate import STREAMING, config_path, mode_config, simulate
-from reflow.infra.run import load_config_of, load_record, read_steps
+from reflow.infra.run import load_config_of, load_record, read_given_up, read_steps
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.schema import stream_position
 
@@ -100,16 +101,41 @@ def _subset(groups: list[list[tuple[int, float]]], most: int) -> MeasuredGroups:
     return MeasuredGroups(lengths=[[n for n, _ in g] for g in groups], rewards=[[w for _, w in g] for g in groups])
 
 
-def _groups_of(run_dir: str) -> list[list[tuple[int, float]]]:
+def _groups_of(run_dir: str, given_up: bool = False) -> list[list[tuple[int, float]]]:
     """(length, reward) of every sample of every group a run wrote, groups in train-stream order
-    (``_stream_order``) and samples by index."""
+    (``_stream_order``) and samples by index; with ``given_up``, also the groups it gave up in flight, at their
+    stream positions (``_given_up_groups``)."""
     record = load_record(run_dir)
     cols = DeltaTrajectoryStore(record.store_root).read_trajectories(run_id=record.run_id).select(
         ["group_id", "sample_index", "response_length", "reward"]).to_pydict()
     groups: dict[str, list[tuple[int, int, float]]] = defaultdict(list)
     for gid, k, length, reward in zip(cols["group_id"], cols["sample_index"], cols["response_length"], cols["reward"]):
         groups[gid].append((int(k), int(length), float(reward)))
-    return [[(n, w) for _, n, w in sorted(groups[gid])] for gid in sorted(groups, key=_stream_order)]
+    keyed = {_stream_order(gid): [(n, w) for _, n, w in sorted(groups[gid])] for gid in groups}
+    if given_up:
+        keyed |= {(position, ""): group for position, group in _given_up_groups(run_dir).items()}
+    return [keyed[key] for key in sorted(keyed)]
+
+
+def _given_up_groups(run_dir: str) -> dict[int, list[tuple[int, float]]]:
+    """Stream position -> (length, reward) of each sample of each group a streaming run gave up in flight
+    (``infra.run.read_given_up``): its samples that finished first, at their lengths, then one at the run's
+    ``rollout.max_response_tokens`` for each sample it never finished, every reward 0.
+
+    Those samples were cut off where the run gave the group up, so their lengths are not known; at the limit, a
+    simulation that replays the trace gives the group up again by its own clock, as the run did, and generates
+    about what the run generated of it (a shorter guess could finish the group the run gave up). The rewards were
+    never scored: 0 for all, a group no trainer would learn from. For this reason the profile's pooled and
+    per-run draws (``calibrate``) leave these groups out: a simulation at another scale might run them to the
+    limit.
+    """
+    finished = read_given_up(run_dir)
+    if not finished:
+        return {}
+    rollout = load_config_of(run_dir).rollout
+    return {position: [(n, 0.0) for n in lengths[:rollout.samples_per_prompt]]
+            + [(rollout.max_response_tokens, 0.0)] * max(0, rollout.samples_per_prompt - len(lengths))
+            for position, lengths in finished.items()}
 
 
 def _stream_order(group_id: str) -> tuple[int, str]:
@@ -142,7 +168,7 @@ def bench_traces(bench_dir: str | Path) -> dict[str, MeasuredGroups]:
         if not Path(r.run_dir).is_dir():
             raise ValueError(f"{bench_dir}: run {r.mode} seed {r.seed} is gone ({r.run_dir}) and there is no {TRACES}"
                              " beside bench.json: the simulation needs the lengths that run generated")
-        traces[f"{r.mode}:{r.seed}"] = _trace(_groups_of(r.run_dir))
+        traces[f"{r.mode}:{r.seed}"] = _trace(_groups_of(r.run_dir, given_up=True))
     tmp = stored.with_name(stored.name + ".tmp")
     tmp.write_bytes(gzip.compress(json.dumps({k: v.model_dump() for k, v in traces.items()},
                                              separators=(",", ":")).encode(), mtime=0))

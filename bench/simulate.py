@@ -516,6 +516,9 @@ class _Feeder:
         with _modelled(self.run):
             self.pool.abandon(groups)
 
+    def gave_up(self, finished: dict[int, list[Finished]]) -> None:
+        pass  # the loop state counts the groups given up (``LoopState.groups_abandoned``); no trace is kept
+
 
 @dataclass
 class _Update:

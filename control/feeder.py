@@ -7,7 +7,8 @@ gets its own target) and the staleness gate (``control.gate``),
 steps them in short drain windows, and appends each group to the
 ``trajectories`` table as soon as all its samples are finished. Scoring and
 writing the previous window overlap the engine's next window. A group whose
-finished sample has aged out of the staleness window is abandoned in flight.
+finished sample has aged out of the staleness window is abandoned in flight
+(the lengths of its samples that finished are kept: ``FeederBackend.gave_up``).
 ``control.streaming`` describes how it runs beside the selector.
 
 A flex worker the role scheduler (``control.roles``) moves to training gets
@@ -90,6 +91,12 @@ class FeederBackend(Protocol):
 
     def abandon(self, groups: Sequence[int]) -> None:
         """Abort the requests of ``groups`` still in flight, without waiting; their results are not needed."""
+        ...
+
+    def gave_up(self, finished: dict[int, list[Finished]]) -> None:
+        """Keep a record of the samples that had finished of groups given up in flight (group -> samples): when
+        they are given up, and again for a sample that finishes after its group was (their lengths are part
+        of the workload a run generated: ``bench.sim_calibrate.bench_traces``)."""
         ...
 
     def release(self, engine: int) -> None:
@@ -263,6 +270,7 @@ class FeederLoop:
         if not hopeless:
             return
         self.backend.abandon(hopeless)
+        self.backend.gave_up({g: self._partial[g] for g in hopeless})
         for g in hopeless:
             del self._partial[g], self._oldest[g]
             for engine, outstanding in self._where.pop(g).items():
@@ -316,11 +324,13 @@ class FeederLoop:
             busy = drained.engine_busy()
             tokens = dict.fromkeys(busy, 0)
             finished = dict.fromkeys(busy, 0)
+            late: dict[int, list[Finished]] = {}  # samples of groups given up already
             for item in drained.released:  # each engine is credited what it generated, where it finished or not
                 tokens[item.engine] = tokens.get(item.engine, 0) + item.tokens
             for item in drained.finished:
                 tokens[item.engine] = tokens.get(item.engine, 0) + item.tokens
                 if item.group in self._abandoned:  # finished before its abort reached the engine
+                    late.setdefault(item.group, []).append(item)
                     continue
                 finished[item.engine] = finished.get(item.engine, 0) + 1
                 self._where[item.group][item.engine] -= 1
@@ -346,6 +356,8 @@ class FeederLoop:
                     self.state.engine_tokens[i] = self.state.engine_tokens.get(i, 0) + count
             for i, seconds in busy.items():
                 self.controllers[i].observe(tokens.get(i, 0), seconds, saturated[i])
+            if late:
+                self.backend.gave_up(late)
             self._redeal(drained.released)
             self._abandon_expired()
             self._settle_switches(busy)

@@ -2,8 +2,10 @@
 
 The run directory holds ``run.json`` (this ``RunRecord``), ``config.json``
 (the resolved config), ``steps.jsonl`` (one ``StepRecord`` per step),
-checkpoints, the final model and, by default, the Delta tables. Tasks receive
-the run directory and load everything else from it.
+``given_up.jsonl`` (the streaming modes: the lengths of the finished
+samples of groups given up in flight), checkpoints, the final model and,
+by default, the Delta tables. Tasks receive the run directory and load
+everything else from it.
 """
 
 from __future__ import annotations
@@ -118,6 +120,35 @@ def read_steps(run_dir: str | Path) -> list[StepRecord]:
             if i < len(lines) - 1:
                 raise
     return steps
+
+
+GIVEN_UP_LOG = "given_up.jsonl"
+
+
+def append_given_up(run_dir: str | Path, lengths: dict[int, list[int]]) -> None:
+    """Record response lengths of finished samples of groups given up in flight, by the group's stream position
+    (a group may have several lines: its samples that finish after it was given up come later)."""
+    with open(Path(run_dir) / GIVEN_UP_LOG, "a") as fh:
+        fh.writelines(json.dumps({"position": g, "lengths": n}) + "\n" for g, n in sorted(lengths.items()))
+
+
+def read_given_up(run_dir: str | Path) -> dict[int, list[int]]:
+    """Stream position -> the response lengths of the samples that finished of each group a run gave up in
+    flight (``append_given_up``; a torn last line is left out); empty for a run that gave up none."""
+    path = Path(run_dir) / GIVEN_UP_LOG
+    if not path.exists():
+        return {}
+    lines = [line for line in path.read_text().splitlines() if line]
+    out: dict[int, list[int]] = {}
+    for i, line in enumerate(lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            if i < len(lines) - 1:
+                raise
+            continue
+        out.setdefault(int(entry["position"]), []).extend(int(n) for n in entry["lengths"])
+    return out
 
 
 CHECKPOINT_PREFIX = "step-"

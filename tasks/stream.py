@@ -26,6 +26,7 @@ from reflow.control.selector import StepOutcome
 from reflow.control.state import LoopState
 from reflow.control.streaming import StreamStart
 from reflow.infra.placement import actor
+from reflow.infra.run import append_given_up
 from reflow.policies.offpolicy import replay_weight
 from reflow.storage import queries
 from reflow.storage.metrics import StepMetrics, StepTimes, StreamStats
@@ -238,6 +239,10 @@ class RayFeeder:
             if ids:
                 pending.forget(ids)  # never re-issued after an engine restart
                 engine.abort.remote(ids)  # runs after the engine's current window
+
+    def gave_up(self, finished: dict[int, list[Finished]]) -> None:
+        append_given_up(self.run_dir, {g: [len(f.result.response_tokens) for f in items]
+                                       for g, items in finished.items()})
 
 
 @dataclass

@@ -343,14 +343,16 @@ SYNTHETIC_SETS = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", 
                   "concurrency.min_sequences=8", "concurrency.initial_sequences=32"]
 
 
-def _synthetic_bench(root, engine=(0.004, 2e-4, 1e-6), trainer=(0.3, 5e-4), slow_train=1.3, slow_engine=1.5):
+def _synthetic_bench(root, engine=(0.004, 2e-4, 1e-6), trainer=(0.3, 5e-4), slow_train=1.3, slow_engine=1.5,
+                     given_up=None):
     """A bench output whose runs' timings follow known cost models: sync rounds run the engine alone, the other
     modes' steps compute ``slow_train`` times slower, one_step_off rounds run ``slow_engine`` times slower while
-    the step before trains."""
+    the step before trains. ``given_up``: stream position -> lengths of the samples that finished of a group the
+    async run gave up in flight instead of writing it (``append_given_up``, one line per length)."""
     import json as _json
 
     from reflow.bench.mode_bench import ModeResult, write_json
-    from reflow.infra.run import RunRecord
+    from reflow.infra.run import RunRecord, append_given_up
     from reflow.storage.delta_store import DeltaTrajectoryStore
     from reflow.storage.schema import Trajectory
 
@@ -362,13 +364,18 @@ def _synthetic_bench(root, engine=(0.004, 2e-4, 1e-6), trainer=(0.3, 5e-4), slow
         (run_dir / "run.json").write_text(RunRecord(
             run_id=mode, run_dir=str(run_dir), store_root=str(run_dir / "tables"), model_dir="m", namespace="n",
             engines=("e",), trainer="t", tracking_uri="x", weight_bytes=4096).model_dump_json())
-        (run_dir / "config.json").write_text(config_to_json(load_config(None, ["resources.num_cpus=3"])))
+        (run_dir / "config.json").write_text(config_to_json(load_config(None, ["resources.num_cpus=3",
+                                                                            "rollout.samples_per_prompt=4"])))
         rows, lines, before = [], [], 0.0
         for step in range(8):
             lengths = rng.integers(5, 60, size=(4, 4))
             rewards = rng.integers(0, 2, size=(4, 4)).astype(float)
             prompts = 7
             for g in range(4):
+                if mode == "async" and step * 4 + g in (given_up or {}):
+                    for n in given_up[step * 4 + g]:
+                        append_given_up(run_dir, {step * 4 + g: [n]})
+                    continue
                 for k in range(4):
                     n = int(lengths[g, k])
                     rows.append(Trajectory(
@@ -456,6 +463,27 @@ def test_a_bench_trace_is_every_group_in_stream_order_and_outlives_the_runs(tmp_
     (root / TRACES).unlink()
     with pytest.raises(ValueError, match=r"run sync seed 0 is gone .* no traces.json.gz"):
         bench_traces(root)
+
+
+def test_a_trace_holds_the_groups_a_streaming_run_gave_up_at_their_positions(tmp_path) -> None:
+    """A group the async run gave up in flight comes in its trace at its stream position: the samples that
+    finished at their lengths (late ones too), each one it never finished at the response limit, rewards 0; the
+    profile's draws of the run hold only the groups it wrote."""
+    from reflow.bench.sim_calibrate import bench_traces, calibrate
+    from reflow.infra.run import load_config_of, read_given_up
+
+    root = _synthetic_bench(tmp_path, given_up={5: [40, 12], 17: [9]})
+    run_dir = root / "runs" / "async"
+    assert read_given_up(run_dir) == {5: [40, 12], 17: [9]}
+    with open(run_dir / "given_up.jsonl", "a") as out:
+        out.write('{"position": 9, "len')  # a torn last line: the run was killed while appending it
+    assert read_given_up(run_dir) == {5: [40, 12], 17: [9]}
+    limit = load_config_of(str(run_dir)).rollout.max_response_tokens
+    trace = bench_traces(root)["async:0"]
+    assert len(trace.lengths) == 32 and trace.lengths[5] == [40, 12, limit, limit]
+    assert trace.lengths[17] == [9, limit, limit, limit] and trace.rewards[5] == trace.rewards[17] == [0.0] * 4
+    assert all(max(g) < 60 for i, g in enumerate(trace.lengths) if i not in (5, 17))  # the written groups
+    assert len(calibrate(root).lengths.by_run["async:0"].lengths) == 30
 
 
 def test_a_simulated_run_replays_its_trace_group_by_group() -> None:

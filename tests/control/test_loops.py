@@ -49,6 +49,7 @@ class FakeEngine:
         self.pending_weights: list[int] = []  # pushed but not loaded yet (loads between windows)
         self.written: list[Trajectory] = []
         self.abandoned: list[int] = []
+        self.given_up: dict[int, list[int]] = {}  # group given up in flight -> lengths of its finished samples
 
     def submit(self, groups, engine: int = 0) -> None:
         for g in groups:
@@ -59,6 +60,10 @@ class FakeEngine:
         self.abandoned += groups
         for rid in [r for r in self.in_flight if int(r.split("/")[0][1:]) in groups]:
             del self.in_flight[rid]
+
+    def gave_up(self, finished) -> None:
+        for g, items in finished.items():
+            self.given_up.setdefault(g, []).extend(len(f.result.response_tokens) for f in items)
 
     def start_drain(self, window_s: float):
         if self.pending_weights:
@@ -329,7 +334,8 @@ def test_run_ends_at_the_step_that_spends_the_new_groups_budget(tmp_path: Path, 
 
 
 def test_feeder_abandons_groups_that_aged_out_in_flight() -> None:
-    """A group with a finished sample older than the window is aborted; its late results are dropped."""
+    """A group with a finished sample older than the window is aborted; its late results are dropped, and the
+    lengths of its samples that finished are recorded, the late ones too."""
     class Scripted(FakeEngine):
         def __init__(self) -> None:
             super().__init__(random.Random(0), 2)
@@ -339,7 +345,8 @@ def test_feeder_abandons_groups_that_aged_out_in_flight() -> None:
             finished = []
             for rid in self.finish:
                 self.in_flight.pop(rid, None)
-                result = GenResult(rid, [5], [-0.1], "stop", [self.version], self.version)
+                n = 3 + int(rid.rsplit("/", 1)[1])  # sample k has 3 + k tokens
+                result = GenResult(rid, [5] * n, [-0.1] * n, "stop", [self.version] * n, self.version)
                 finished.append(Finished(int(rid.split("/")[0][1:]), result, 1))
             self.finish = []
             return Drained(finished, busy_s=0.1, in_flight=len(self.in_flight))
@@ -361,12 +368,14 @@ def test_feeder_abandons_groups_that_aged_out_in_flight() -> None:
     feeder.run_once()
     assert engine.abandoned == [0] and state.groups_abandoned == 1
     assert "g0/p0/1" not in engine.in_flight, "the rest of the group was not aborted"
+    assert engine.given_up == {0: [3]}  # its sample 0, finished at version 0
     assert feeder.in_flight_groups == 2  # group 1 and a new group in group 0's place
     engine.finish = ["g0/p0/1", "g1/p1/1"]  # group 0's last sample finished before its abort arrived
     feeder.run_once()
     feeder._flush(force=True)
     assert engine.written_groups == [1]
     assert feeder._in_flight == len(engine.in_flight)  # late results were not counted twice
+    assert engine.given_up == {0: [3, 4]}  # and its sample 1, which finished after
 
 
 def test_feeder_failure_stops_the_selector(tmp_path: Path) -> None:
@@ -502,6 +511,9 @@ class TwoEngines:
                        busy_by_engine={0: 1.0, 1: 1.0})
 
     def write(self, chunk, groups) -> None:
+        pass
+
+    def gave_up(self, finished) -> None:
         pass
 
     def abandon(self, groups) -> None:
