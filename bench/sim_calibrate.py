@@ -71,7 +71,7 @@ from reflow.bench.sim_profile import (
     TrainerCost,
 )
 from reflow.bench.simulate import STREAMING, config_path, mode_config, simulate
-from reflow.infra.run import load_config_of, load_record, read_given_up, read_steps
+from reflow.infra.run import GIVEN_UP_LOG, load_config_of, load_record, read_given_up, read_steps
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.schema import stream_position
 
@@ -174,6 +174,23 @@ def bench_traces(bench_dir: str | Path) -> dict[str, MeasuredGroups]:
                                              separators=(",", ":")).encode(), mtime=0))
     tmp.replace(stored)
     return traces
+
+
+def unrecorded_given_up(bench_dir: str | Path) -> list[str]:
+    """A line for each run of a bench, still on disk, that gave groups up in flight and recorded none of them (a
+    run from before ``given_up.jsonl``): its trace holds only the groups it wrote, so its simulation generates
+    less than it did."""
+    lines = []
+    for r in mode_bench.load_results(Path(bench_dir)):
+        if not Path(r.run_dir).is_dir() or read_given_up(r.run_dir):
+            continue
+        steps = read_steps(r.run_dir)
+        given_up = int(steps[-1].metrics.get("groups_abandoned", 0)) if steps else 0
+        if given_up:
+            lines.append(f"run {r.mode} seed {r.seed} gave up {given_up} groups in flight and recorded none of their "
+                         f"lengths (no {GIVEN_UP_LOG}: a run from before runs kept one); its trace holds the groups it "
+                         "wrote, and its simulation generates less than it did")
+    return lines
 
 
 def with_traces(profile: SimProfile, traces: dict[str, MeasuredGroups]) -> SimProfile:

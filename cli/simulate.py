@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from reflow.cli.runtime import int_list
@@ -71,8 +72,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.profile or DEFAULT_PROFILE)
         if args.validate:  # each run replays the lengths and rewards its real run generated
-            from reflow.bench.sim_calibrate import bench_traces, with_traces
+            from reflow.bench.sim_calibrate import bench_traces, unrecorded_given_up, with_traces
 
+            for line in unrecorded_given_up(_bench_dir(args.validate)):
+                print(f"warning: {line}", file=sys.stderr, flush=True)
             profile = with_traces(profile, bench_traces(_bench_dir(args.validate)))
     except ValueError as exc:
         raise InputError(str(exc)) from exc

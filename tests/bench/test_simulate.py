@@ -486,6 +486,29 @@ def test_a_trace_holds_the_groups_a_streaming_run_gave_up_at_their_positions(tmp
     assert len(calibrate(root).lengths.by_run["async:0"].lengths) == 30
 
 
+def test_validate_names_a_run_that_gave_groups_up_without_recording_them(tmp_path) -> None:
+    """A streaming run that gave groups up in flight and has no ``given_up.jsonl`` (kept before it was) is named:
+    its trace is the written groups only. A run that recorded them, or gave none up, is not."""
+    import json as _json
+
+    from reflow.bench.sim_calibrate import unrecorded_given_up
+
+    root = _synthetic_bench(tmp_path / "old")
+    assert unrecorded_given_up(root) == []  # no run gave a group up
+    steps = root / "runs" / "async" / "steps.jsonl"
+    lines = [_json.loads(line) for line in steps.read_text().splitlines()]
+    lines[-1]["metrics"]["groups_abandoned"] = 3.0
+    steps.write_text("".join(_json.dumps(line) + "\n" for line in lines))
+    (warning,) = unrecorded_given_up(root)
+    assert warning.startswith("run async seed 0 gave up 3 groups in flight") and "given_up.jsonl" in warning
+    recorded = _synthetic_bench(tmp_path / "new", given_up={5: [40]})
+    steps = recorded / "runs" / "async" / "steps.jsonl"
+    lines = [_json.loads(line) for line in steps.read_text().splitlines()]
+    lines[-1]["metrics"]["groups_abandoned"] = 1.0
+    steps.write_text("".join(_json.dumps(line) + "\n" for line in lines))
+    assert unrecorded_given_up(recorded) == []
+
+
 def test_a_simulated_run_replays_its_trace_group_by_group() -> None:
     """With an ordered trace, simulated group g is the trace's g-th group (cycling), samples in order: a sync
     run of two steps of two groups generates exactly the first four groups' tokens, cut at the response limit."""
