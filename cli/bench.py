@@ -9,7 +9,7 @@ from pathlib import Path
 
 from reflow.bench import decompose, mode_bench
 from reflow.bench.sampler import bench_sampler
-from reflow.cli.runtime import int_list, preflight, quiet_environment, start_prefect_api
+from reflow.cli.runtime import int_list, prefect_api_starting, preflight, quiet_environment
 from reflow.config.load import InputError, load_config
 
 
@@ -79,8 +79,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise InputError(f"--output: {str(out)!r} exists and is not a directory")
     quiet_environment(False)
-    start_prefect_api()
-    from reflow.flows.bench import bench_flow  # Prefect (about 2 s) only when a command runs a flow
+    with prefect_api_starting():  # the flow imports (about 8 s) while the API server starts
+        from reflow.flows.bench import bench_flow
 
     bench_flow(config=args.config, set=list(args.overrides), modes=modes, seeds=seeds, output=str(out.resolve()),
                target_accuracy=args.target_accuracy, smooth_evals=args.smooth_evals, equal_steps=args.equal_steps)

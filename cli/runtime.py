@@ -10,6 +10,7 @@ import errno
 import os
 import shutil
 import tempfile
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from reflow.config.load import InputError
@@ -17,7 +18,7 @@ from reflow.config.schema import ReflowConfig
 from reflow.envs.base import env_class
 from reflow.envs.custom import RewardFunctionError, load_reward_function
 from reflow.envs.datasets import DatasetError, check_dataset
-from reflow.infra.prefect_api import start_ephemeral_server
+from reflow.infra.prefect_api import ephemeral_server_starting, start_ephemeral_server
 from reflow.policies.hub import ModelNotFound, local_model_dir
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.store import StorageError
@@ -52,6 +53,12 @@ def start_prefect_api() -> None:
     """Start the ephemeral Prefect API now (unless PREFECT_API_URL names a server), with a watchdog that
     stops it if this process is killed before its exit handlers run. Its console is quiet unless --verbose."""
     start_ephemeral_server(quiet=os.environ.get("REFLOW_VERBOSE") != "1")
+
+
+def prefect_api_starting() -> AbstractContextManager[None]:
+    """``start_prefect_api`` for a block that imports a flow's modules: the server starts during the block (the
+    two overlap, about 8 s saved on two cores) and answers when it ends."""
+    return ephemeral_server_starting(quiet=os.environ.get("REFLOW_VERBOSE") != "1")
 
 
 def preflight(cfg: ReflowConfig) -> None:

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from reflow.cli.runtime import quiet_environment, start_prefect_api
+from reflow.cli.runtime import prefect_api_starting, quiet_environment
 from reflow.config.load import InputError
 from reflow.infra.runlock import LiveWriterError, describe_writers, live_writers
 from reflow.infra.runs import RunNotFound, resolve_target
@@ -162,8 +162,8 @@ def cmd_maintain(args: argparse.Namespace) -> int:
     if all(v < 0 for v in before.values()):
         raise InputError(f"no reflow tables under {target.store_root}: nothing to maintain")
     quiet_environment(False)
-    start_prefect_api()
-    from reflow.flows.maintain import maintain  # Prefect (about 2 s) only when a command runs a flow
+    with prefect_api_starting():  # the flow imports (about 8 s) while the API server starts
+        from reflow.flows.maintain import maintain
 
     run_dir = str(target.run_dir) if target.run_dir is not None else None
     try:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from reflow.cli.runtime import preflight, quiet_environment, start_prefect_api
+from reflow.cli.runtime import prefect_api_starting, preflight, quiet_environment
 from reflow.config.load import InputError, config_to_json, load_config, stored_config
 from reflow.config.reference import reference_markdown
 from reflow.config.schema import ReflowConfig
@@ -24,8 +24,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise InputError(f"{run_dir}: unreadable config.json or run.json: {exc}") from None
     quiet_environment(args.verbose)
     print(f"reflow resume {run_id}: mode={cfg.mode.kind} steps={cfg.run.total_steps}", flush=True)
-    start_prefect_api()
-    from reflow.flows.rl_train import rl_train  # Prefect (about 2 s) only when a command runs a flow
+    with prefect_api_starting():  # the flow imports (about 8 s) while the API server starts
+        from reflow.flows.rl_train import rl_train
 
     outcome = rl_train(config=cfg, run_dir=str(run_dir), run_id=run_id, resume=True)
     print_outcome(outcome)
@@ -61,8 +61,8 @@ def launch(cfg: ReflowConfig):
     budget = f" (or until {cfg.run.max_new_groups} new groups)" if cfg.run.max_new_groups else ""
     print(f"reflow run {run_id}: mode={cfg.mode.kind} engine={cfg.rollout.engine} steps={cfg.planned_steps()}{budget} "
           f"prompts/step={cfg.rollout.prompts_per_step} samples/prompt={cfg.rollout.samples_per_prompt}", flush=True)
-    start_prefect_api()
-    from reflow.flows.rl_train import rl_train  # Prefect (about 2 s) only when a command runs a flow
+    with prefect_api_starting():  # the flow imports (about 8 s) while the API server starts
+        from reflow.flows.rl_train import rl_train
 
     outcome = rl_train(config=cfg, run_dir=run_dir, run_id=run_id)
     print_outcome(outcome)
@@ -94,8 +94,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     """Held-out accuracy of a finished run's final model, on fresh workers (the UI's evaluate flow)."""
     run_dir = find_finished_run(args.run, args.runs)
     quiet_environment(args.verbose)
-    start_prefect_api()
-    from reflow.flows.launch import evaluate_run  # Prefect (about 2 s) only when a command runs a flow
+    with prefect_api_starting():  # the flow imports (about 8 s) while the API server starts
+        from reflow.flows.launch import evaluate_run
 
     result = evaluate_run(run=args.run, runs=args.runs)
     print(f"{run_dir}: held-out accuracy {result['accuracy']:.3f}, reward mean {result['reward_mean']:.3f}, "

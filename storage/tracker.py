@@ -50,6 +50,10 @@ class Tracker(Protocol):
 
     run_id: str | None
 
+    def connect(self) -> None:
+        """Open the store ahead of ``start`` (which opens it if nobody did); may run in another thread."""
+        ...
+
     def start(self, run_name: str, params: dict[str, str], tags: dict[str, str]) -> str:
         """Open the run, log its parameters and tags; return the run id."""
         ...
@@ -89,6 +93,9 @@ class NullTracker:
     def __init__(self) -> None:
         """No run yet."""
         self.run_id: str | None = None
+
+    def connect(self) -> None:
+        """Nothing to open."""
 
     def start(self, run_name: str, params: dict[str, str], tags: dict[str, str]) -> str:
         """Return a new random run id (32 hex digits, like MLflow's)."""
@@ -142,9 +149,11 @@ def _is_file_store(tracking_uri: str) -> bool:
 
 
 def quiet_mlflow_logging() -> None:
-    """Silence MLflow's INFO lines about creating and migrating the sqlite database."""
+    """Silence MLflow's INFO lines about creating and migrating the sqlite database, and the SQLAlchemy 2.1
+    deprecation its sqlite store trips once per process (MLflow 3.17's; not ours to fix)."""
     for name in ("mlflow.store.db.utils", "alembic", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*``noload`` loader strategy is deprecated")
 
 
 def _sqlite_artifact_root(tracking_uri: str) -> str | None:
@@ -179,17 +188,24 @@ class MLflowTracker:
         self._client: MlflowClient | None = None
         self._ended = False
 
-    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str]) -> str:
-        """Create the experiment if needed, open a run, log ``params`` and ``tags``; return the run id."""
+    def connect(self) -> None:
+        """Open the store and find or create the experiment: a new sqlite database is created and migrated here
+        (about 3 s). ``start`` calls it if nobody did; a run's start-up calls it in a thread while its workers
+        start."""
+        if self._client is not None:
+            return
         from mlflow import MlflowClient
-        from mlflow.entities import Param, RunTag
 
         quiet_mlflow_logging()
-        with warnings.catch_warnings():
-            # MLflow 3.17's sqlite store trips a SQLAlchemy 2.1 deprecation once per process; not ours to fix.
-            warnings.filterwarnings("ignore", message=r".*``noload`` loader strategy is deprecated")
-            self._client = MlflowClient(tracking_uri=self.tracking_uri)
-            self.experiment_id = self._experiment_id(self._client)
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.experiment_id = self._experiment_id(client)
+        self._client = client
+
+    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str]) -> str:
+        """Create the experiment if needed, open a run, log ``params`` and ``tags``; return the run id."""
+        from mlflow.entities import Param, RunTag
+
+        self.connect()
         run = self._client.create_run(self.experiment_id, run_name=run_name)
         self.run_id = run.info.run_id
         self._ended = False
@@ -206,10 +222,8 @@ class MLflowTracker:
         from mlflow import MlflowClient
 
         quiet_mlflow_logging()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*``noload`` loader strategy is deprecated")
-            self._client = MlflowClient(tracking_uri=self.tracking_uri)
-            run = self._client.get_run(run_id)
+        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        run = self._client.get_run(run_id)
         self.run_id, self.experiment_id, self._ended = run_id, run.info.experiment_id, False
         self._client.update_run(run_id, status="RUNNING")
 

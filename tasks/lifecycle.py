@@ -73,13 +73,18 @@ def prepare(cfg: ReflowConfig, run_dir: str, run_id: str, resume: bool = False) 
         write_config(run_dir, cfg)
     model_dir = previous.model_dir if previous is not None else resolve_model_dir(cfg)
     namespace = f"reflow-{run_id}"
-    print(f"starting Ray and workers ({cfg.rollout.engine} engine, torch trainer)...", flush=True)
-    start_ray(cfg, namespace, verbose=os.environ.get("REFLOW_VERBOSE") == "1")
-    placement = launch_workers(cfg, namespace, model_dir, store_root, engine_settings(cfg, model_dir),
-                               run_dir=str(Path(run_dir).resolve()), run_id=run_id,
-                               tool_fn=run_tool_call if cfg.tools.max_calls else None)
     tracking_uri = default_tracking_uri(cfg)
     tracker = make_tracker(tracking_uri, cfg.tracking.experiment, Path(cfg.run.out_dir))
+    print(f"starting Ray and workers ({cfg.rollout.engine} engine, torch trainer)...", flush=True)
+    # the tracker opens its store (a new database: about 3 s) while Ray and the workers start; the MLflow run is
+    # made after them, as before: a run killed during start-up leaves none behind
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracker") as pool:
+        connected = pool.submit(tracker.connect)
+        start_ray(cfg, namespace, verbose=os.environ.get("REFLOW_VERBOSE") == "1")
+        placement = launch_workers(cfg, namespace, model_dir, store_root, engine_settings(cfg, model_dir),
+                                   run_dir=str(Path(run_dir).resolve()), run_id=run_id,
+                                   tool_fn=run_tool_call if cfg.tools.max_calls else None)
+        connected.result()
     if previous is not None and previous.mlflow_run_id is not None:
         tracker.resume(previous.mlflow_run_id)
         mlflow_run_id = previous.mlflow_run_id

@@ -60,3 +60,45 @@ print(server.get("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"), os.environ.get("PREF
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["CRITICAL", "None"], done.stdout + done.stderr
+
+
+OVERLAP_PROBE = """
+import os, httpx
+from prefect.server.api.server import SubprocessASGIServer
+from reflow.cli.runtime import prefect_api_starting
+from reflow.infra.prefect_api import prefect_server_pid
+ran = False
+with prefect_api_starting():
+    server = SubprocessASGIServer()
+    launched = server.server_process is not None and server.server_process.poll() is None
+    quiet_here = os.environ.get("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL")
+    import reflow.flows.rl_train  # what a command does meanwhile
+    ran = True
+health = httpx.get(server.api_url + "/health").status_code
+print(launched, quiet_here, ran, health, prefect_server_pid() == server.server_process.pid)
+"""
+
+
+def _probe(tmp_path: Path, script: str, **extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "REFLOW_VERBOSE")}
+    return subprocess.run([sys.executable, "-c", script], env={**env, "PREFECT_HOME": str(tmp_path), **extra},
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.slow
+def test_a_command_imports_its_flow_while_the_server_starts_and_the_server_answers_after(tmp_path: Path) -> None:
+    """The server process is launched before the block (with the quiet setting in its environment only), the block
+    runs, and on leaving it the server answers and has its watchdog's pid recorded."""
+    done = _probe(tmp_path, OVERLAP_PROBE)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "None", "True", "200", "True"], done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_server_that_does_not_start_fails_the_command_after_the_block(tmp_path: Path) -> None:
+    """Prefect's start-up limit passed: the block still ran, then its error is raised (not lost in the thread)."""
+    script = OVERLAP_PROBE.replace("print(launched", "print('unreachable', launched")
+    done = _probe(tmp_path, script, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Timed out while attempting to connect to ephemeral Prefect API server" in done.stderr, done.stderr
+    assert "unreachable" not in done.stdout

@@ -55,6 +55,28 @@ def test_mlflow_run_round_trip(tracking_uri: str, tmp_path: Path) -> None:
     assert run_id in tracker.ui_url() and tracking_uri in tracker.ui_url()
 
 
+
+def test_connect_in_another_thread_opens_the_store_and_makes_no_run(tmp_path: Path) -> None:
+    """A run's start-up connects while its workers start: the database and experiment exist, no run yet; start
+    then opens the run there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MLflowTracker(uri, "reflow-connect")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(tracker.connect).result()
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("reflow-connect")
+    assert experiment is not None and tracker.experiment_id == experiment.experiment_id
+    assert client.search_runs([experiment.experiment_id]) == []
+    run_id = tracker.start("run-1", params={}, tags={})
+    tracker.connect()  # connected already: nothing more
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
+    tracker.end()
+    NullTracker().connect()  # the protocol's no-op
+
 def test_failed_status_and_errors(tracking_uri: str, tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
