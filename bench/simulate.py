@@ -279,9 +279,10 @@ class EnginePool:
             if not e.requests:
                 continue
             began = t  # the window starts once the load is done (a separate call on the engine actor)
-            while e.requests and t - began < window_s:
+            until = began + window_s  # one bound for this loop and _run's (``t - began < window_s`` can differ)
+            while e.requests and t < until:
                 prefill = self._admit(e)
-                t, s = self._run(e, index, t, began + window_s, prefill, finished)
+                t, s = self._run(e, index, t, until, prefill, finished)
                 slots += s
             busy += t - began
             by_engine[index] = t - began
@@ -307,14 +308,16 @@ class EnginePool:
         if self.machine.cores is not None:  # actors sharing the cores: counted when the engine's step starts
             slow *= self.machine.factor(self.generating() + self.training_actors(t))
         context = float(e.base + n * e.clock)
-        steps, slots = 0, 0.0
-        while steps < horizon and t < until:
-            s = self.cost.step_s(n, context, prefill) * slow
-            prefill = 0
-            t += s
-            slots += n * s
+        steps, began = 0, t
+        if steps < horizon and t < until:  # the first step prefills what was admitted
+            t += self.cost.step_s(n, context, prefill) * slow
             context += n
-            steps += 1
+            steps = 1
+        if steps < horizon and t < until:  # the decode steps after it, to the next finish or past ``until``
+            k = self._decode_steps(n, context, slow, until - t, horizon - steps)
+            t += self._decode_s(n, context, slow, k)
+            steps += k
+        slots = n * (t - began)
         e.clock += steps
         for slot in e.finished():
             g, k, first, resumed = slot[:4]
@@ -322,6 +325,35 @@ class EnginePool:
                                  float(self.rewards[g][k]), self.varied[g], index, resumed))
         return t, slots
 
+
+    def _decode_s(self, n: int, context: float, slow: float, k: int) -> float:
+        """Seconds of ``k`` decode steps of ``n`` sequences from ``context`` tokens in context (each step adds ``n``):
+        the step's cost is linear in the context, so the steps' times are an arithmetic series."""
+        cost = self.cost
+        first = cost.step_base_s + cost.per_seq_s * n + cost.per_context_token_s * context
+        return slow * (k * first + cost.per_context_token_s * n * k * (k - 1) / 2)
+
+    def _decode_steps(self, n: int, context: float, slow: float, room_s: float, most: int) -> int:
+        """How many decode steps run: the first whose end reaches ``room_s`` seconds from now, at most ``most``
+        (a step that starts inside the window finishes). Solved, then checked against ``_decode_s``: one step at a
+        time was most of a large simulation's time."""
+        if not math.isfinite(room_s):
+            return most
+        cost = self.cost
+        first = cost.step_base_s + cost.per_seq_s * n + cost.per_context_token_s * context
+        half = cost.per_context_token_s * n / 2
+        need = room_s / slow  # k * first + half * k * (k - 1) >= need
+        if half > 0:
+            b = first - half
+            k = math.ceil((-b + math.sqrt(b * b + 4 * half * need)) / (2 * half))
+        else:
+            k = math.ceil(need / first) if first > 0 else most
+        k = max(1, min(most, k))
+        while k > 1 and self._decode_s(n, context, slow, k - 1) >= room_s:
+            k -= 1
+        while k < most and self._decode_s(n, context, slow, k) < room_s:
+            k += 1
+        return k
 
 class _RoundOnEngine:
     """``control.sorted_rounds.RoundEngine`` over one modelled engine of the pool: a SortedRL round from ``start``.

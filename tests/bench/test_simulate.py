@@ -107,6 +107,26 @@ def test_a_round_takes_the_modelled_steps_and_tokens_carry_the_engine_version() 
     assert w.slot_s == pytest.approx(3 * 2 * 0.012 + 2 * 0.011)
 
 
+
+def test_the_decode_steps_solved_at_once_are_the_ones_taken_one_at_a_time() -> None:
+    """Between finishes the engine's steps are solved as a series; a step-by-step loop over the same cost takes the
+    same number of steps to the same time, across costs, loads and windows."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        base, per_seq, per_token = rng.uniform(0, 0.02), rng.uniform(0, 1e-3), rng.choice([0.0, rng.uniform(0, 1e-5)])
+        prof = profile(base=base, per_seq=per_seq)
+        prof.engine.per_context_token_s = per_token
+        pool = EnginePool(prof, engines=1, max_sequences=8, samples=2, rng=rng, max_response_tokens=100)
+        n, context, slow = int(rng.integers(1, 300)), float(rng.integers(1, 5000)), rng.uniform(1, 3)
+        room, most = rng.uniform(0, 5), int(rng.integers(1, 20000))
+        steps, t = 0, 0.0
+        while steps < most and t < room:  # what EnginePool._run did before
+            t += prof.engine.step_s(n, context + n * steps, 0) * slow
+            steps += 1
+        k = pool._decode_steps(n, context, slow, room, most)
+        assert k == steps and pool._decode_s(n, context, slow, k) == pytest.approx(t, rel=1e-9)
+    assert pool._decode_steps(5, 10.0, 1.0, math.inf, 7) == 7  # a window without end: to the next finish
+
 def test_a_window_ends_after_the_step_that_crosses_it_and_new_weights_load_before_it() -> None:
     prof = profile([[10, 10]], base=0.1, load=0.05)
     pool = EnginePool(prof, engines=1, max_sequences=8, samples=2, rng=np.random.default_rng(0),
