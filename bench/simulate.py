@@ -325,7 +325,6 @@ class EnginePool:
                                  float(self.rewards[g][k]), self.varied[g], index, resumed))
         return t, slots
 
-
     def _decode_s(self, n: int, context: float, slow: float, k: int) -> float:
         """Seconds of ``k`` decode steps of ``n`` sequences from ``context`` tokens in context (each step adds ``n``):
         the step's cost is linear in the context, so the steps' times are an arithmetic series."""
@@ -354,6 +353,7 @@ class EnginePool:
         while k < most and self._decode_s(n, context, slow, k) < room_s:
             k += 1
         return k
+
 
 class _RoundOnEngine:
     """``control.sorted_rounds.RoundEngine`` over one modelled engine of the pool: a SortedRL round from ``start``.
