@@ -52,9 +52,11 @@ class EngineCost(_Part):
     weight_load_s: float = Field(0.0, ge=0)
     slowdown_while_training: float = Field(1.0, ge=1.0, description="engine step time factor while the trainer "
                                            "computes (roles that share cores or memory bandwidth; 1 on GPUs)")
-    streaming_slowdown: float = Field(1.0, ge=1.0, description="engine step time factor in the streaming modes, "
+    streaming_slowdown: float = Field(1.0, gt=0.0, description="engine step time factor in the streaming modes, "
                                       "on top: what the loops' own work (appends, queries, weight loads, many "
-                                      "short drain calls) takes from an engine that shares the machine")
+                                      "short drain calls) takes from an engine that shares the machine, and what "
+                                      "the step fitted on sync's rounds misses at the streaming load (below 1 "
+                                      "where it overstates that step)")
     streaming_slowdown_by_mode: dict[str, float] = Field(default_factory=dict, description="the same, measured "
                                                          "per mode (overrides streaming_slowdown)")
 

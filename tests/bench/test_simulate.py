@@ -568,15 +568,14 @@ BENCH_FIXTURE = PACKAGE / "tests" / "fixtures" / "sim"
 
 @pytest.mark.slow
 def test_the_cpu_profile_reproduces_the_stored_bench(tmp_path, capsys) -> None:
-    """``reflow simulate --validate`` on the stored bench (configs/bench.toml, seeds 0 and 1, 2026-12-06 at
-    d129517, each run replaying its stored trace) with the CPU profile calibrated on its seed-0 runs
-    (docs/simulation.md "Validation").
+    """``reflow simulate --validate`` on the stored bench (configs/bench.toml, seeds 0 and 1, 2026-12-07 at
+    e39b2ae, each run replaying its stored trace: the groups it wrote and the groups it gave up in flight) with the
+    CPU profile calibrated on its seed-0 runs (docs/simulation.md "Validation").
 
-    The bounds are what the model reaches, kept so a change that makes it worse fails: on the calibration seed,
-    every figure within the issue's 15%; on the held-out seed, times and rates within 35% and shares of the step
-    within 15% or 12.5 points. The held-out runs repeated 10-19% apart in step time (the same seed benched again
-    right after: one_step_off 3.39 and 2.81 s, async 2.64 and 2.14 s), and the simulation is within 6% of every
-    repeated step time.
+    The bounds are what the model reaches, kept so a change that makes it worse fails: 34 of the 36 figures are
+    within the issue's 15%, every one of the held-out seed 1; on seed 0, one_step_off's generated tokens/s is 15.2%
+    over and reflow's trainer idle 20% (2.3 points) under. So: every figure within 16%, or a share of the step
+    within 2.5 points.
     """
     code = main(["simulate", "--validate", str(BENCH_FIXTURE), "--profile", str(DEFAULT_PROFILE),
                  "--output", str(tmp_path / "v")])
@@ -586,14 +585,14 @@ def test_the_cpu_profile_reproduces_the_stored_bench(tmp_path, capsys) -> None:
     validation = json.loads((tmp_path / "v" / "sim.json").read_text())["validation"]
     assert validation["checked"] == 2 * (4 * 4 + 2)  # two seeds; four modes, four figures each, two bubbles
     assert code == (0 if validation["passed"] else 1)
+    within = [r for r in validation["rows"] if r["error"] <= 0.15]
+    assert len(within) >= 34
     for r in validation["rows"]:
         label = f"{r['mode']} s{r['seed']} {r['figure']}: {r['error']:.0%}"
-        if r["seed"] == 0:
-            assert r["error"] <= 0.15, label
-        elif r["points"] is not None:
-            assert r["error"] <= 0.15 or r["points"] <= 0.125, label
+        if r["points"] is not None:
+            assert r["error"] <= 0.16 or r["points"] <= 0.025, label
         else:
-            assert r["error"] <= 0.35, label
+            assert r["error"] <= 0.16, label
 
 
 @pytest.mark.parametrize("bottleneck", ["trainer", "engines"])
