@@ -28,7 +28,7 @@ from typing import Any, Protocol, Sequence
 from reflow.control.clock import Clock
 from reflow.control.concurrency import ConcurrencyController
 from reflow.control.gate import StalenessGate
-from reflow.control.state import LoopState
+from reflow.control.state import GroupVersions, LoopState
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ class FeederLoop:
         # flex worker gives back move to another)
         self._where: dict[int, Counter[int]] = {}
         self._partial: dict[int, list[Finished]] = {}
-        self._oldest: dict[int, int] = {}  # group with finished samples -> their oldest version (as _partial)
+        self._oldest = GroupVersions()  # group with finished samples -> their oldest version (as _partial)
         self._complete: dict[int, list[Finished]] = {}
         self._abandoned: set[int] = set()  # groups given up while in flight (results still arriving are dropped)
         self._handle: Any = None
@@ -266,13 +266,13 @@ class FeederLoop:
         """
         with self.state.cond:
             oldest_ok = self.state.trainer_version - self.gate.max_staleness_versions
-        hopeless = [g for g, version in self._oldest.items() if version < oldest_ok]
+        hopeless = self._oldest.expire(oldest_ok)
         if not hopeless:
             return
         self.backend.abandon(hopeless)
         self.backend.gave_up({g: self._partial[g] for g in hopeless})
         for g in hopeless:
-            del self._partial[g], self._oldest[g]
+            del self._partial[g]
             for engine, outstanding in self._where.pop(g).items():
                 self._in_flight -= outstanding
                 self._in_flight_by_engine[engine] -= outstanding

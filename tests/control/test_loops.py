@@ -37,6 +37,20 @@ def test_expired_groups_leave_the_gate() -> None:
     state.unused.update({1: 2, 2: 3, 3: 5})
     assert state.admissible_unused(max_staleness_versions=2) == 2  # group 1 (version 2) aged out
     assert state.groups_expired == 1 and set(state.unused) == {2, 3}
+    # the floor did not move: no scan, nothing expires; an older group written after the scan still does
+    assert state.admissible_unused(max_staleness_versions=2) == 2 and state.unused.least == 3
+    state.unused[4] = 1
+    state.unused.setdefault(5, 2)
+    state.unused |= {6: 7}
+    assert state.unused.least == 1 and state.admissible_unused(max_staleness_versions=2) == 3
+    assert state.groups_expired == 3 and set(state.unused) == {2, 3, 6}
+    # a selection taking groups keeps the bound a bound; once the floor passes every group, none is left
+    del state.unused[2]
+    state.trainer_version = 10
+    assert state.admissible_unused(max_staleness_versions=2) == 0 and state.groups_expired == 5
+    # a state made from a plain dict (a resumed run's) knows its bound as well
+    resumed = LoopState(trainer_version=5, unused={7: 1, 8: 4})
+    assert resumed.admissible_unused(max_staleness_versions=2) == 1 and resumed.groups_expired == 1
 
 
 class FakeEngine:
