@@ -425,12 +425,12 @@ class SimBuffer:
         self.window = SelectionWindow(RUN, -(2**62), {})  # every version, until the first selection advances it
         self.tokens: dict[str, int] = {}  # trajectory id -> loss tokens the trainer computes (0: skipped)
         self._ids: dict[int, list[str]] = {}  # policy version -> its trajectory ids in ``tokens``
+        self._appended: list[SimSample] = []  # since the last selection
 
     def append(self, samples: Sequence[SimSample]) -> None:
-        rows = {"run_id": [RUN] * len(samples), "trajectory_id": [s.request_id for s in samples],
-                "group_id": [f"g{s.group}" for s in samples], "sample_index": [s.sample for s in samples],
-                "policy_version": [s.version for s in samples], "reward": [s.reward for s in samples]}
-        self.window.add(TRAJECTORIES, pa.table(rows, schema=WINDOW_SCHEMAS[TRAJECTORIES]))
+        """A commit's rows: they reach the window as one table at the next selection (the window reads them
+        then; an Arrow table per commit was a tenth of a large simulation's control plane)."""
+        self._appended += samples
         for s in samples:
             if s.version >= self.window.floor:  # older rows never enter the window
                 self.tokens[s.request_id] = loss_tokens(s)
@@ -446,6 +446,12 @@ class SimBuffer:
         if floor < self.window.floor:  # the Delta store would read its tables afresh; the rows are gone here
             raise ValueError(f"simulated buffer: a selection from version {floor}, below the window's floor "
                              f"{self.window.floor} (the floors of a run only rise)")
+        samples, self._appended = self._appended, []
+        if samples:
+            rows = {"run_id": [RUN] * len(samples), "trajectory_id": [s.request_id for s in samples],
+                    "group_id": [f"g{s.group}" for s in samples], "sample_index": [s.sample for s in samples],
+                    "policy_version": [s.version for s in samples], "reward": [s.reward for s in samples]}
+            self.window.add(TRAJECTORIES, pa.table(rows, schema=WINDOW_SCHEMAS[TRAJECTORIES]))
         self.window.advance(floor)
         for version in [v for v in self._ids if v < floor]:
             for trajectory in self._ids.pop(version):
@@ -588,7 +594,8 @@ class _Selector:
                             self.weight_fn, samples_per_prompt=self.cfg.rollout.samples_per_prompt)
 
     def consumed(self, selection: ReplaySelection) -> tuple[int, ...]:
-        return tuple(sorted({int(g[1:]) for g, k in zip(selection.group_ids, selection.kinds) if k != "replay"}))
+        return tuple(sorted(int(g[1:]) for g in {g for g, k in zip(selection.group_ids, selection.kinds)
+                                                 if k != "replay"}))
 
     def prefetch(self, selection: ReplaySelection) -> None:
         self.prefetched = selection  # read while the step before computes: off the next step's path

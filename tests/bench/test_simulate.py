@@ -678,6 +678,7 @@ def test_a_long_simulation_holds_the_window_not_the_run(monkeypatch, mode: str) 
     assert buffer.window.floor == len(run.steps) - 1 - 3  # the last selection's: the floor rose with the run
     assert 0 < len(buffer.tokens) <= 3 * window * batch < groups * 4
     assert min(v for v in buffer._ids) >= buffer.window.floor
+    buffer.select(sim.RUN, buffer.window.floor, "SELECT 1")  # the appends since the last selection reach the window
     held = buffer.window.tables()["trajectories"].column("policy_version").to_pylist()
     assert held and min(held) >= buffer.window.floor and len(held) == len(buffer.tokens)
     assert len(pool.rewards) == len(pool.lengths_of) == len(pool.varied) <= 64 // 4 + 2 * 8  # the groups in flight
