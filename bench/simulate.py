@@ -841,10 +841,13 @@ def _rare_collections() -> Iterator[None]:
     """Python's cycle collector less often while a simulation runs: it allocates millions of short-lived objects
     (a request, a sample, a row each) that hold no cycles, and at the default thresholds full collections,
     each scanning every live object, took 15% of a 128-GPU simulation (docs/measurements.md, 2026-12-06).
-    The thresholds are restored after."""
+    The objects alive before it starts (the modules imported: torch's alone are millions) are frozen, so that
+    the collections it still makes scan the simulation's objects only. The thresholds are restored after."""
     before = gc.get_threshold()
     gc.set_threshold(50_000, 10, 10)
+    gc.freeze()
     try:
         yield
     finally:
+        gc.unfreeze()
         gc.set_threshold(*before)

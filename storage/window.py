@@ -55,21 +55,23 @@ def window_filter(name: str, run_id: str, floor: int) -> pc.Expression:
 class SelectionWindow:
     """``run_id``'s rows from version ``floor`` on (module docstring).
 
-    A commit's rows are kept as they come (``add``: a few pyarrow calls
-    cost more than a small commit's worth of filtering) and folded into the
-    window's rows when a selection reads them (``tables``): one filter of
-    the new rows and one concatenation per selection, whatever the number
-    of commits between two selections. A driver at 128 GPUs appends about
-    200 times a step, and a window cut part by part cost 49 ms a selection
-    (docs/measurements.md).
+    A commit's rows are kept as they come (``add``: filtering each one cost
+    more than a small commit's worth of rows) and folded into one part of
+    the window when a selection reads them (``tables``): one filter and one
+    concatenation per selection, whatever the number of commits between two
+    selections. A part goes when the floor passes its newest row and is cut
+    when the floor falls inside it. A driver at 128 GPUs appends about 200
+    times a step, and a window of a part per commit cost 49 ms a selection
+    to cut (docs/measurements.md).
 
     Not thread-safe: the store calls it under the lock that also covers its commits.
     """
 
     def __init__(self, run_id: str, floor: int, tables: Mapping[str, pa.Table]) -> None:
         self.run_id, self.floor = run_id, int(floor)
-        self._kept: dict[str, pa.Table] = {name: schema.empty_table() for name, schema in WINDOW_SCHEMAS.items()}
-        self._new: dict[str, list[pa.Table]] = {name: [] for name in WINDOW_SCHEMAS}  # not filtered yet
+        # the window's rows: (oldest, newest version, rows) per part, and the commits not folded in yet
+        self._parts: dict[str, list[tuple[int, int, pa.Table]]] = {name: [] for name in WINDOW_SCHEMAS}
+        self._new: dict[str, list[pa.Table]] = {name: [] for name in WINDOW_SCHEMAS}
         for name, table in tables.items():
             self.add(name, table)
 
@@ -87,25 +89,34 @@ class SelectionWindow:
         if floor <= self.floor:
             return
         self.floor = int(floor)
-        for name, kept in self._kept.items():
-            ages = kept.column(AGE_COLUMN[name])
-            if kept.num_rows and pc.min(ages).as_py() < floor:
-                self._kept[name] = kept.filter(pc.greater_equal(ages, floor))
+        for name, parts in self._parts.items():
+            kept = []
+            for oldest, newest, part in parts:
+                if oldest >= floor:
+                    kept.append((oldest, newest, part))
+                elif newest >= floor:
+                    ages = part.column(AGE_COLUMN[name])
+                    part = part.filter(pc.greater_equal(ages, floor))
+                    kept.append((pc.min(part.column(AGE_COLUMN[name])).as_py(), newest, part))
+            self._parts[name] = kept
 
     def tables(self) -> dict[str, pa.Table]:
         """The window's rows of each table (immutable: a selection may read them while commits go on)."""
+        out = {}
         for name, new in self._new.items():
-            if not new:
-                continue
-            rows = pa.concat_tables(new).combine_chunks()
-            # a mask, not ``window_filter``'s expression: Acero's filter plan costs 6x as much on a step's rows
-            rows = rows.filter(pc.and_(pc.equal(rows.column("run_id"), self.run_id),
-                                       pc.greater_equal(rows.column(AGE_COLUMN[name]), self.floor)))
-            kept = pa.concat_tables([self._kept[name], rows])
-            # a chunk per selection; folded into one now and then (DataFusion reads a chunk as a batch)
-            self._kept[name] = kept.combine_chunks() if kept.column(0).num_chunks > 16 else kept
-            self._new[name] = []
-        return dict(self._kept)
+            if new:
+                rows = pa.concat_tables(new).combine_chunks()
+                # a mask, not ``window_filter``'s expression: Acero's filter plan cost 6x as much on a step's rows
+                ages = rows.column(AGE_COLUMN[name])
+                rows = rows.filter(pc.and_(pc.equal(rows.column("run_id"), self.run_id),
+                                           pc.greater_equal(ages, self.floor)))
+                if rows.num_rows:
+                    bounds = pc.min_max(rows.column(AGE_COLUMN[name])).as_py()
+                    self._parts[name].append((bounds["min"], bounds["max"], rows))
+                self._new[name] = []
+            parts = [part for _, _, part in self._parts[name]]
+            out[name] = pa.concat_tables(parts) if parts else WINDOW_SCHEMAS[name].empty_table()
+        return out
 
 
 def run_sql(tables: Mapping[str, pa.Table], sql: str) -> pa.Table:
