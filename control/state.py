@@ -19,9 +19,12 @@ class GroupVersions(dict[int, int]):
     floor passes it, about once a step (``expire``).
     """
 
+    least: float = math.inf  # no value is below it (removing keeps it true); here too for an unpickled one, whose
+    # items are set before its attributes
+
     def __init__(self, items: Mapping[int, int] | Iterable[tuple[int, int]] = (), **kw: int) -> None:
         super().__init__()
-        self.least = math.inf  # no value is below it (removing keeps it true)
+        self.least = math.inf
         self.update(items, **kw)
 
     def __setitem__(self, group: int, version: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import random
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -44,6 +46,10 @@ def test_expired_groups_leave_the_gate() -> None:
     state.unused |= {6: 7}
     assert state.unused.least == 1 and state.admissible_unused(max_staleness_versions=2) == 3
     assert state.groups_expired == 3 and set(state.unused) == {2, 3, 6}
+    # a copy, deep or pickled, keeps the items and the bound
+    copied = pickle.loads(pickle.dumps(state.unused))
+    assert copied == state.unused and copied.least == state.unused.least == 3
+    assert copy.deepcopy(state.unused).least == 3
     # a selection taking groups keeps the bound a bound; once the floor passes every group, none is left
     del state.unused[2]
     state.trainer_version = 10
