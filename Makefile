@@ -14,7 +14,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest --durations=20 $(ARGS)
 
 install: $(STAMP)
 
