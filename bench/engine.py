@@ -40,7 +40,7 @@ import torch
 from reflow.config.schema import ReflowConfig
 from reflow.envs.base import make_env
 from reflow.infra.actors import EngineWorker
-from reflow.infra.placement import worker_env
+from reflow.infra.placement import quiet_token_auth_notice, worker_env
 from reflow.policies.engines import engine_settings
 from reflow.policies.models import load_tokenizer, resolve_model_dir
 from reflow.policies.vllm_engine import VLLMEngine
@@ -199,6 +199,7 @@ def measure_pool(cfg: ReflowConfig, counts: Sequence[int], requests: int,
     prompts = make_env(cfg.env, cfg.run.seed, tokenizer).prompts("train", start=0, count=requests)
     tokens = tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
     cores = os.cpu_count() or 1
+    quiet_token_auth_notice()
     ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False, configure_logging=True,
              logging_level="warning")
     rows = []

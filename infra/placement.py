@@ -6,6 +6,7 @@ The actors (``infra.actors``) are named inside a per-run Ray namespace;
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -55,6 +56,23 @@ class Placement:
 _HANDLES: dict[str, list[Any]] = {}
 
 
+class _DefaultTokenAuthNotice(logging.Filter):
+    """Drops the warning a new local Ray prints on every start when it turns on token authentication, its
+    default (the token is ``~/.ray/auth_token``): it is the first line of every run's output and asks nothing of
+    the user. The opposite notice, a cluster without authentication, still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+_QUIET_TOKEN_NOTICE = _DefaultTokenAuthNotice()
+
+
+def quiet_token_auth_notice() -> None:
+    """Before ``ray.init``: leave out Ray's notice that it turned on token authentication (see the filter)."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_QUIET_TOKEN_NOTICE)
+
+
 def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
     """Join ``resources.ray_address`` (or ``RAY_ADDRESS``), or start a quiet local Ray of the run's own.
 
@@ -66,6 +84,7 @@ def start_ray(cfg: ReflowConfig, namespace: str, verbose: bool = False) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    quiet_token_auth_notice()
     kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": verbose,
                               "configure_logging": True, "logging_level": "warning"}
     address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS")

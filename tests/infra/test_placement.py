@@ -20,19 +20,23 @@ ray.shutdown()
 
 @pytest.mark.slow
 def test_an_unset_ray_address_starts_a_ray_of_the_run_s_own_beside_a_running_cluster() -> None:
-    """``ray.init()`` alone would join the cluster last started on this machine (here one with no CPU)."""
+    """``ray.init()`` alone would join the cluster last started on this machine (here one with no CPU). Neither
+    start prints Ray's notice that it turned on token authentication, its default (the first line of every run's
+    output before)."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
         proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "Token authentication is enabled" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
         address, cpus = proc.stdout.split()[-2:]
         assert address != cluster.address and float(cpus) == 1.0, (address, cluster.address, cpus)
         joined = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300,
                                 env={**env, "RAY_ADDRESS": cluster.address})  # RAY_ADDRESS still joins
         assert joined.returncode == 0, joined.stderr[-3000:]
+        assert "Token authentication is enabled" not in joined.stdout + joined.stderr, joined.stderr[-3000:]
         assert joined.stdout.split()[-2] == cluster.address
     finally:
         cluster.shutdown()
