@@ -206,8 +206,9 @@ def measure_pool(cfg: ReflowConfig, counts: Sequence[int], requests: int,
     try:
         for n in counts:
             threads = cfg.resources.torch_threads
-            engines = [ray.remote(EngineWorker).options(num_cpus=cores / n, runtime_env={
-                "env_vars": worker_env(threads)}).remote("vllm", dataclasses.replace(settings, threads=threads))
+            env = worker_env(threads, settings.enforce_eager)
+            engines = [ray.remote(EngineWorker).options(num_cpus=cores / n, runtime_env={"env_vars": env}).remote(
+                "vllm", dataclasses.replace(settings, threads=threads))
                 for _ in range(n)]
             ray.get([e.generate.remote([GenRequest(f"warm{i}", tokens[0], 8)]) for i, e in enumerate(engines)])
             batch = [GenRequest(f"n{n}/{i}", list(t), cfg.rollout.max_response_tokens) for i, t in enumerate(tokens)]

@@ -207,7 +207,9 @@ class RolloutConfig(_Section):
         "sampled by the new weights over old keys and values, and their stored log-probs are those of that "
         "sampling, so the off-policy correction stays exact).")
     enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts in seconds; for tiny "
-                                                     "models on CPU eager decoding was as fast as compiled).")
+                                                     "models on CPU eager decoding was as fast as compiled). The "
+                                                     "workers then compile nothing (TORCHDYNAMO_DISABLE): vLLM's "
+                                                     "small compiled sampler helpers run eagerly.")
     warm_up: bool = Field(
         True, description="vLLM: each engine generates once on dummy prompts as it starts, before the run's "
         "clock (the first rollout was a third as fast as the next ones on the CPU).")

@@ -31,13 +31,21 @@ RESIDENT_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_TRIM_THRESHOLD_": str(1 << 4
 STORAGE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_")
 
 
-def worker_env(threads: int) -> dict[str, str]:
+def worker_env(threads: int, eager: bool) -> dict[str, str]:
     """Environment of the engine and trainer actors: quiet logs, ``threads`` torch threads, ``RESIDENT_MALLOC``,
-    and the driver's object-store settings (``STORAGE_ENV_PREFIXES``), which a cluster's other nodes lack."""
+    and the driver's object-store settings (``STORAGE_ENV_PREFIXES``), which a cluster's other nodes lack.
+
+    ``eager`` (``rollout.enforce_eager``): no torch.compile in the workers at all (``TORCHDYNAMO_DISABLE``).
+    vLLM compiles a few small sampler functions even in eager mode (the rank count of its log-probs): on the
+    CPU that was 2-3 s of every engine's start, and 15 s of the first run on a machine (inductor's cache
+    empty, C++ compiled); run eagerly they cost nothing measurable. Neither reflow's trainer nor its
+    transformers engine compiles anything.
+    """
     storage = {key: value for key, value in os.environ.items() if key.startswith(STORAGE_ENV_PREFIXES)}
+    compiled = {"TORCHDYNAMO_DISABLE": "1"} if eager else {}
     return {"OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING",
             "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1",
-            "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", **RESIDENT_MALLOC, **storage}
+            "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", **compiled, **RESIDENT_MALLOC, **storage}
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,7 @@ def launch_workers(cfg: ReflowConfig, namespace: str, model_dir: str, store_root
 
     res = cfg.resources
     check_capacity(cfg)
-    env = {"env_vars": worker_env(res.torch_threads)}
+    env = {"env_vars": worker_env(res.torch_threads, cfg.rollout.enforce_eager)}
     restarts = {"max_restarts": res.max_actor_restarts, "max_task_retries": -1 if res.max_actor_restarts else 0}
     trainer_name = "trainer"
     engine_names = tuple(f"engine-{i}" for i in range(res.engines))

@@ -290,7 +290,7 @@ def test_worker_env_keeps_freed_memory_in_the_process() -> None:
 
     from reflow.infra.placement import RESIDENT_MALLOC, worker_env
 
-    assert RESIDENT_MALLOC.items() <= worker_env(1).items()
+    assert RESIDENT_MALLOC.items() <= worker_env(1, eager=True).items()
 
     def held_then_kept(extra: dict[str, str]) -> tuple[int, int]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}

@@ -93,7 +93,7 @@ def test_actors_get_the_drivers_object_store_settings(monkeypatch: pytest.Monkey
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://s3.example:9000")
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
     monkeypatch.setenv("UNRELATED_SECRET", "x")
-    env = worker_env(2)
+    env = worker_env(2, eager=True)
     assert env["AWS_ENDPOINT_URL"] == "http://s3.example:9000" and env["AZURE_STORAGE_ACCOUNT_NAME"] == "acct"
     assert "UNRELATED_SECRET" not in env and env["OMP_NUM_THREADS"] == "2"
 
