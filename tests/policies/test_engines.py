@@ -186,6 +186,7 @@ def test_vllm_engine_logprobs_match_trainer_before_and_after_update(random_model
 
 LINEAR_SCRIPT = textwrap.dedent('''
     import json, sys
+    import torch._dynamo.utils
     from reflow.policies.engines import EngineSettings, generate_all
     from reflow.policies.vllm_engine import VLLMEngine
     from reflow.storage.schema import GenRequest
@@ -196,6 +197,7 @@ LINEAR_SCRIPT = textwrap.dedent('''
         eng = VLLMEngine(s)
         out = generate_all(eng, [GenRequest(f"r{i}", [10 + i, 11, 12], max_tokens=12) for i in range(8)])
         json.dump({"onednn": bool(getattr(ops, "_supports_onednn", False)),
+                   "compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                    "results": [dict(r.__dict__) for r in sorted(out, key=lambda r: r.request_id)]},
                   open(sys.argv[2], "w"))
     if __name__ == "__main__":
@@ -218,24 +220,6 @@ def test_vllm_cpu_linear_torch_samples_what_onednn_samples(random_model_dir: Pat
         assert torch.allclose(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-4)
 
 
-EAGER_SCRIPT = textwrap.dedent('''
-    import json, sys
-    import torch._dynamo.utils
-    from reflow.policies.engines import EngineSettings, generate_all
-    from reflow.policies.vllm_engine import VLLMEngine
-    from reflow.storage.schema import GenRequest
-    def main():
-        s = EngineSettings(model_dir=sys.argv[1], dtype="float32", temperature=1.0, eos_token_id=2,
-                           max_model_len=512, max_concurrent_sequences=64, seed=0)
-        out = generate_all(VLLMEngine(s), [GenRequest(f"r{i}", [10 + i, 11, 12], max_tokens=12) for i in range(8)])
-        json.dump({"compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-                   "results": [dict(r.__dict__) for r in sorted(out, key=lambda r: r.request_id)]},
-                  open(sys.argv[2], "w"))
-    if __name__ == "__main__":
-        main()
-''')
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_an_eager_engine_worker_compiles_nothing_and_samples_the_same(random_model_dir: Path, tmp_path: Path,
@@ -252,7 +236,7 @@ def test_an_eager_engine_worker_compiles_nothing_and_samples_the_same(random_mod
             monkeypatch.delenv(name, raising=False)
         for name, value in worker_env(1, eager).items():
             monkeypatch.setenv(name, value)
-        runs[eager] = _run_script(EAGER_SCRIPT, random_model_dir, tmp_path / str(eager))
+        runs[eager] = _run_script(LINEAR_SCRIPT, random_model_dir, tmp_path / str(eager), "torch")
     assert runs[False]["compiled"] >= 1  # vLLM compiles a helper even with enforce_eager: the switch matters
     assert runs[True]["compiled"] == 0
     for a, b in zip(runs[False]["results"], runs[True]["results"], strict=True):
