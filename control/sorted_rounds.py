@@ -381,3 +381,29 @@ class SortedScheduler:
             result = GenResult(r.request_id, list(r.response_tokens), list(r.behaviour_logprobs), r.finish_reason,
                                list(r.token_versions), r.submitted_version)
             (st.finished if r.state == "finished" else st.partial)[r.sample_index] = result
+
+    def settle(self, handed_out: set[int]) -> None:
+        """Account for a round whose groups ``handed_out`` are in Delta but whose cache snapshot is not.
+
+        A run killed between a round's two writes (its trajectories, then its
+        cache snapshot) restores the snapshot before that round, which still
+        holds (or has not yet opened) the groups the round handed out: run
+        again, they would be written twice. Those groups leave the cache; the
+        prompts the lost round opened before its newest handed-out group and
+        did not hand out stay open (as pending groups, generated from nothing
+        next), so the stream skips none and repeats none; every other cached
+        group waited that round (``aborts``). The lost round's partial
+        responses are lost work, not lost data: their samples are generated
+        again.
+        """
+        if not handed_out:
+            return
+        for g in handed_out:
+            self.groups.pop(g, None)
+        for st in self.groups.values():
+            st.aborts += 1
+        newest = max(handed_out)
+        for g in range(self.next_group, newest + 1):
+            if g not in handed_out:
+                self.groups[g] = GroupState(g)
+        self.next_group = max(self.next_group, newest + 1)

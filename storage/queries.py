@@ -103,6 +103,15 @@ def trained_group_ids(store: TrajectoryStore, run_id: str) -> set[str]:
     return {r["group_id"] for r in rows}
 
 
+def groups_written_after(store: TrajectoryStore, run_id: str, rollout_step: int) -> set[str]:
+    """The groups of ``run_id`` in ``trajectories`` written by rounds after ``rollout_step``."""
+    if store.table_versions().get(TRAJECTORIES, -1) < 0:
+        return set()
+    rows = store.query(f"SELECT DISTINCT group_id FROM {TRAJECTORIES} WHERE run_id = {quote(run_id)} "
+                       f"AND rollout_step > {int(rollout_step)}").to_pylist()
+    return {r["group_id"] for r in rows}
+
+
 def latest_cache_snapshot(store: TrajectoryStore, run_id: str) -> list[CachedSample]:
     """The rows of the newest rollout-cache snapshot of ``run_id`` (empty: none written)."""
     if store.table_versions().get(ROLLOUT_CACHE, -1) < 0:

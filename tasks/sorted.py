@@ -20,7 +20,7 @@ from reflow.control.sorted_rounds import PooledRoundEngine, RoundEngine, RoundGo
 from reflow.infra.placement import actor
 from reflow.storage import queries
 from reflow.storage.metrics import RolloutStats
-from reflow.storage.schema import GenRequest, GenResult, RoundRun, stream_tag
+from reflow.storage.schema import GenRequest, GenResult, RoundRun, group_stream_position, stream_tag
 from reflow.tasks.context import TaskContext, context, mark_origin
 from reflow.tasks.rollout import batch_stats, requests_for, scored_records, summary_of_written, written_before
 
@@ -72,9 +72,13 @@ def _scheduler(ctx: TaskContext, run_dir: str) -> SortedScheduler:
                             make_request=make_request, clock=SystemClock(), early_stop=r.early_stop,
                             round_tokens=r.round_tokens, max_aborts=r.max_aborts,
                             park=r.kv_on_update == "keep" and r.engine == "vllm")
-    snapshot = queries.latest_cache_snapshot(ctx.store, ctx.record.run_id)
+    run_id = ctx.record.run_id
+    snapshot = queries.latest_cache_snapshot(ctx.store, run_id)
     if snapshot:
         sched.restore(snapshot)
+    # a round killed between its trajectories and its snapshot: its groups are written, the cache must not hold them
+    lost_round = queries.groups_written_after(ctx.store, run_id, snapshot[0].round if snapshot else -1)
+    sched.settle({group_stream_position(group) for group in lost_round})
     _SCHEDULERS[run_dir] = sched
     return sched
 

@@ -128,6 +128,32 @@ def test_rounds_lose_and_duplicate_no_prompt_across_aborts_and_restarts(tmp_path
     assert not set(trained) & set(sched.groups)
 
 
+@pytest.mark.parametrize("mode", ["partial", "on_policy"])
+def test_a_round_killed_between_its_trajectories_and_its_snapshot_is_settled(mode: str) -> None:
+    """The round's groups are written, its snapshot is not: restored from the one before, settled, none doubled."""
+    clock = VirtualClock()
+    engine = FakeEngine(clock, _targets(3), max_sequences=5)  # few slots: rounds open new prompts as they go
+    sched = _scheduler(engine, clock, mode)
+    trained: Counter[int] = Counter()
+    snapshot = []
+    for round_index in range(6):
+        trained.update(sched.run_round(engine).trainable.keys())
+        engine.version += 1
+        snapshot = sched.snapshot("run", round_index)
+    lost = sched.run_round(engine).trainable.keys()  # written to Delta; the kill lands before its snapshot
+    trained.update(lost)
+    sched = _scheduler(engine, clock, mode)
+    sched.restore(snapshot)
+    assert set(lost) & (set(sched.groups) | set(range(sched.next_group, max(lost) + 1))), "nothing to settle"
+    sched.settle(set(lost))
+    for _ in range(15):
+        trained.update(sched.run_round(engine).trainable.keys())
+        engine.version += 1
+    assert max(trained.values()) == 1, "a prompt was trained twice"
+    assert set(trained) | set(sched.groups) == set(range(sched.next_group)), "a prompt was skipped"
+    assert not set(trained) & set(sched.groups)
+
+
 def test_partial_mode_resumes_with_each_tokens_own_version_and_logprob() -> None:
     clock = VirtualClock()
     engine = FakeEngine(clock, _targets(2))

@@ -71,6 +71,19 @@ def test_read_filters_by_step_and_ids(store: DeltaTrajectoryStore) -> None:
     assert store.read_trajectories(run_id="nobody").num_rows == 0
 
 
+def test_groups_written_after_a_round(store: DeltaTrajectoryStore) -> None:
+    from reflow.storage.queries import groups_written_after
+
+    assert groups_written_after(store, "run-a", -1) == set()  # no table yet
+    for step in range(3):
+        store.append_trajectories([make_trajectory(i, rollout_step=step) for i in range(4)], app_id="rollout",
+                                  txn_version=step)
+    store.append_trajectories([make_trajectory(0, run_id="run-b", rollout_step=5)], app_id="rollout-b", txn_version=0)
+    assert groups_written_after(store, "run-a", 0) == {"g1-0", "g1-1", "g2-0", "g2-1"}
+    assert groups_written_after(store, "run-a", 2) == set()
+    assert groups_written_after(store, "run-b", -1) == {"g5-0"}
+
+
 def test_partitioned_by_policy_version(store: DeltaTrajectoryStore) -> None:
     records = [make_trajectory(i, policy_version=v) for i, v in enumerate([0, 0, 3, 7])]
     store.append_trajectories(records, app_id="rollout", txn_version=0)
