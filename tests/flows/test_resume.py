@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
 
@@ -144,6 +145,47 @@ def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mo
     assert versions == {s: float(s + 1) for s in range(TOTAL_STEPS)}, note
     assert _checkpointed(run_dir) == TOTAL_STEPS - 1
     assert (run_dir / "final_model" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_sorted_round_killed_between_its_trajectories_and_its_cache_snapshot_is_written_once(
+        tmp_path: Path, reflow_process) -> None:
+    """The narrow window a random kill rarely hits, made certain: round 2's trajectories are in Delta, its cache
+    snapshot and everything after are not (the later Delta commits are taken off the logs, as if never made)."""
+    out = tmp_path / "runs"
+    run_args = ["--config", str(REPO / "configs/smoke.toml"), "--runs", str(out), "--set", "run.total_steps=4",
+                "--set", "run.checkpoint_every_steps=1", "--set", 'rollout.engine="transformers"',
+                "--set", f'model.cache_dir="{tmp_path / "models"}"']
+    run_args += [arg for item in MODES["sorted_partial"] for arg in ("--set", item)]
+    first = reflow_process(["run", *run_args], tmp_path)
+    assert first.finish() == 0, first.output()
+    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").is_file()]
+    tables = run_dir / "tables"
+    # commit v of each table holds step (round) v - 1: keep trajectories of rounds 0-2, snapshots and usage of 0-1
+    for table, keep in (("trajectories", 3), ("rollout_cache", 2), ("usage", 2)):
+        for log in (tables / table / "_delta_log").glob("*.json"):
+            if int(log.stem) > keep:
+                log.unlink()
+    for step in (2, 3):
+        shutil.rmtree(run_dir / "checkpoints" / f"step-{step:06d}")
+    shutil.rmtree(run_dir / "final_model")
+    steps = (run_dir / "steps.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "steps.jsonl").write_text("".join(steps[:2]))
+    rows = DeltaTable(str(tables / "trajectories")).to_pyarrow_dataset().to_table()
+    assert sorted(Counter(rows["rollout_step"].to_pylist())) == [0, 1, 2]
+    lost_groups = set(rows.filter(pc.equal(rows["rollout_step"], 2))["group_id"].to_pylist())
+
+    second = reflow_process(["resume", str(run_dir)], tmp_path)
+    assert second.finish() == 0, second.output()
+    assert "resumed from step-000001: step 2 done" in second.output(None)
+    rows = DeltaTable(str(tables / "trajectories")).to_pyarrow_dataset().to_table()
+    ids = rows["trajectory_id"].to_pylist()
+    assert len(ids) == len(set(ids))
+    assert sorted(Counter(rows["rollout_step"].to_pylist())) == [0, 1, 2, 3]
+    assert not lost_groups & set(rows.filter(pc.equal(rows["rollout_step"], 3))["group_id"].to_pylist())
+    usage = DeltaTable(str(tables / "usage")).to_pyarrow_dataset().to_table()
+    used = usage["trajectory_id"].to_pylist()
+    assert sorted(set(usage["trainer_step"].to_pylist())) == [0, 1, 2, 3] and len(used) == len(set(used))
 
 
 @pytest.mark.slow
