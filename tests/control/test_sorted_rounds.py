@@ -325,6 +325,25 @@ def test_a_goal_shared_by_two_engines_is_met_when_both_parts_are() -> None:
     assert even.groups_needed == odd.groups_needed == 2  # ceil((4 - 1) / 2)
     assert even.pinned == set() and odd.pinned == {3}
     assert even.prefix == {"g2/p2/0": 5} and odd.prefix == {"g3/p3/1": 7}
+
+    def done(g: int, k: int) -> GenResult:
+        return GenResult(f"g{g}/p{g}/{k}", [7] * 3, [-0.5] * 3, "stop", [0] * 3, 0)
+
+    # group 2 completes (even's), then 0 (even's): even has its two, the whole still needs 3 and its pin
+    for result in (done(2, 2), done(0, 0), done(0, 1)):
+        goal.observe(result)
+        even.observe(result)
+    assert even.met() and not odd.met() and not goal.met()
+    goal.observe(done(1, 0))
+    odd.observe(done(1, 0))  # group 1 still misses one sample
+    assert not odd.met() and not goal.met()
+    for result in (done(1, 1), done(3, 0)):  # 1 completes; pinned 3 still misses one
+        goal.observe(result)
+        odd.observe(result)
+    assert not odd.met() and not goal.met()
+    goal.observe(done(3, 1))
+    odd.observe(done(3, 1))
+    assert odd.met() and even.met() and goal.met()  # every part met: the whole is (4 + 1 complete >= 4)
     tokens = RoundGoal({0: 1, 1: 1}, complete=1, groups_needed=4, pinned=set(), early_stop="tokens",
                        round_tokens=101, prefix={})
     part = tokens.share({0}, 2)

@@ -61,7 +61,10 @@ def test_a_reward_from_a_file_scores_each_response(reward_file: Path, data_file:
 def test_a_batched_reward_is_called_once_with_lists(reward_file: Path, data_file: Path) -> None:
     env = make_env(_cfg(data_file, f"{reward_file}:batched", reward_batched=True), seed=0)
     prompts = env.prompts("train", 0, 2)
+    calls, reward = [], env.reward
+    env.reward = lambda *args: (calls.append(args), reward(*args))[1]
     assert env.score_many(prompts, [prompts[0].answer, "x"]) == [Score(0.5, True), Score(0.5, False)]
+    assert calls == [([p.text for p in prompts], [prompts[0].answer, "x"], [p.answer for p in prompts])]
 
 
 def test_a_reward_from_an_importable_module(reward_file: Path, data_file: Path, monkeypatch) -> None:
@@ -108,3 +111,11 @@ def test_prompt_ids_address_the_rows(reward_file: Path, data_file: Path) -> None
     env = make_env(_cfg(data_file, f"{reward_file}:exact_answer"), seed=0)
     a, b = env.prompts("train", 5, 2), env.prompts("train", 5, 2)
     assert a == b and isinstance(a[0], Prompt)
+    assert [p.prompt_id for p in a] == ["custom-train-s0-000005", "custom-train-s0-000006"]
+    assert env.prompts("train", 6, 1) == a[1:]  # an id names one row, whatever batch asked for it
+    rows = {f"{i}+1=": str(i + 1) for i in range(40)} | {"2*3=": "6"}
+    train, held = env.prompts("train", 0, 41), env.prompts("eval", 0, 41)  # each split goes round its rows
+    for p in train + held:  # each prompt is a row of the file, with that row's answer
+        assert rows[p.text.strip()] == p.answer
+    assert {p.text.strip() for p in train + held} == set(rows)  # every row in one split
+    assert not {p.text for p in train} & {p.text for p in held}  # and in one only

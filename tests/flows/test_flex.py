@@ -57,8 +57,10 @@ def test_a_flex_worker_switches_both_ways_and_loses_nothing(tmp_path: Path, refl
     assert any(m["helpers"] == 1 and m["helper_samples"] > 0 for m in steps), steps
     assert any(m["helpers"] == 0 for m in steps)
     # pool.in_flight = "move": what the worker held as it moved to training was resumed on the engine
-    print("requests moved:", steps[-1]["requests_moved"])
-    assert all(m["requests_moved"] >= 0 for m in steps)
+    # (the engine is kept full, so the worker holds requests at each switch to training: about 110 a switch)
+    moved = [m["requests_moved"] for m in steps]
+    print("requests moved:", moved[-1])
+    assert moved[-1] > 0 and moved == sorted(moved), moved  # a running count
 
     # nothing lost or doubled: each trajectory once, whole groups, every step a full batch of them
     rows = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table().to_pylist()

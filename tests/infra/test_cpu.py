@@ -37,18 +37,36 @@ def test_reading_a_stat_file_and_a_missing_one(tmp_path: Path) -> None:
         assert first is not None and first.total >= first.idle >= 0
 
 
-def test_step_cpu_idle_is_unknown_before_the_origin_and_measured_after(tmp_path: Path) -> None:
+def test_step_cpu_idle_is_unknown_before_the_origin_and_measured_after(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from reflow.tasks import context
 
+    stat = tmp_path / "stat"  # the machine's ticks as the step clock reads them: idle is the 4th and 5th field
+    monkeypatch.setattr(context, "read_cpu_times", lambda: cpu.read_cpu_times(stat))
     run_dir = str(tmp_path / "run")
+    stat.write_text("cpu  10 0 10 70 10 0 0 0 0 0\n")
     assert context.step_cpu_idle(run_dir) is None  # no origin marked in this process: no reading before
     context.mark_origin(run_dir, 0.0)
-    sum(i * i for i in range(2_000_000))  # let some ticks pass
-    share = context.step_cpu_idle(run_dir)
-    if cpu.PROC_STAT.exists():
-        assert share is None or 0.0 <= share <= 1.0  # None only if not one tick passed
-    else:
-        assert share is None
+    stat.write_text("cpu  40 0 30 100 30 0 0 0 0 0\n")  # 100 ticks later, 50 of them idle (30 + 20)
+    assert context.step_cpu_idle(run_dir) == pytest.approx(0.5)
+    stat.write_text("cpu  130 0 30 110 30 0 0 0 0 0\n")  # since the last step: 100 ticks, 10 idle
+    assert context.step_cpu_idle(run_dir) == pytest.approx(0.1)
+    assert context.step_cpu_idle(run_dir) is None  # not one tick since: unknown, not 0 or 1
+
+
+def test_step_cpu_idle_reads_this_machine(tmp_path: Path) -> None:
+    from reflow.tasks import context
+
+    if not cpu.PROC_STAT.exists():
+        pytest.skip("no /proc/stat (not Linux)")
+    run_dir = str(tmp_path / "run")
+    context.mark_origin(run_dir, 0.0)
+    share = None
+    for _ in range(200):  # busy until at least one tick of the machine passes (10 ms each)
+        sum(i * i for i in range(200_000))
+        if (share := context.step_cpu_idle(run_dir)) is not None:
+            break
+    assert share is not None and 0.0 <= share <= 1.0
 
 
 def test_the_driver_s_cpu_share_is_its_process_time_over_the_machine_s(tmp_path: Path) -> None:

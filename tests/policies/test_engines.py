@@ -206,6 +206,7 @@ LINEAR_SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_cpu
 @pytest.mark.slow
 def test_vllm_cpu_linear_torch_samples_what_onednn_samples(random_model_dir: Path, tmp_path: Path) -> None:
     """rollout.cpu_linear: torch's matmul replaces vLLM's oneDNN one, with the same samples and log-probs."""
@@ -221,6 +222,7 @@ def test_vllm_cpu_linear_torch_samples_what_onednn_samples(random_model_dir: Pat
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_cpu
 @pytest.mark.slow
 def test_an_eager_engine_worker_compiles_nothing_and_samples_the_same(random_model_dir: Path, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -423,6 +425,7 @@ def _check_rest(data: dict) -> None:
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_cpu
 @pytest.mark.slow
 def test_vllm_engine_does_not_rest_on_the_cpu(random_model_dir: Path, tmp_path: Path) -> None:
     """vLLM's CPU build has no sleep mode: ``rest`` says so, and the engine generates with what it is pushed."""

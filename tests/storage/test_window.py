@@ -35,6 +35,12 @@ def _window(store, tv: int, policy: ReplayPolicy) -> list[tuple]:
     return list(zip(cols["trajectory_id"], cols["group_id"], cols["uses"], cols["part"]))
 
 
+def _window_runs(store: DeltaTrajectoryStore) -> set[str]:
+    """The run ids of the rows in RUN's window."""
+    tables = store._windows[RUN].tables()
+    return {run for name in ("trajectories", "usage") for run in tables[name]["run_id"].to_pylist()}
+
+
 def _count_reads(store: DeltaTrajectoryStore, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     reads: list[int] = []
     original = store._window_rows
@@ -63,6 +69,7 @@ def test_the_window_fed_by_commits_selects_what_the_whole_tables_give(tmp_path: 
         if tv > 0:  # (no usage table before the first step: the whole-tables SQL needs one)
             assert got == _whole_tables(store, tv, policy), tv
         assert all(g.startswith("g") for _, g, _, _ in got)
+        assert _window_runs(store) == {RUN}  # the other run's rows, fed by the same commits, stay out
         sel = select_batch(store, RUN, tv, 4, policy, samples_per_prompt=3)
         assert [(t, g, u) for t, g, u, _ in got] == list(zip(sel.trajectory_ids, sel.group_ids, sel.reuse_counts))
         store.append_usage(sel.usage_rows(RUN, tv, tv), app_id="t", txn_version=tv)
@@ -82,9 +89,12 @@ def test_a_new_store_or_a_lower_floor_reads_the_window_and_other_runs_never_ente
         store.append_trajectories(_group(f"a{tv}", tv, 3, rng), app_id="f", txn_version=tv)
     other.append_usage(select_batch(other, RUN, 0, 1, policy).usage_rows(RUN, 0, 0), app_id="t", txn_version=0)
     assert _window(store, 3, policy) == _whole_tables(store, 3, policy)
-    # another run writing to the same tables (a shared root): its rows never enter this run's window
+    # another run writing to the same tables (a shared root): its rows never enter this run's window, whether
+    # through another store or through this one (whose commits feed its windows)
     other.append_trajectories(_group("b", 3, 3, rng, run="another"), app_id="g", txn_version=0)
+    store.append_trajectories(_group("b2", 3, 3, rng, run="another"), app_id="g2", txn_version=0)
     assert _window(store, 3, policy) == _whole_tables(store, 3, policy)
+    assert _window_runs(store) == {RUN}
     assert reads == [2]
     # a resumed run is a new process, so a new store: it reads the window, with what the old one wrote
     store.append_trajectories(_group("c", 3, 3, rng), app_id="f", txn_version=4)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from reflow.storage.metrics import StepRecord
 from reflow.tasks import report
 
@@ -37,9 +39,21 @@ def test_the_progress_line_keeps_the_figures_and_shows_the_time_left() -> None:
     assert "33%|" in line and "ETA 00:40" in line  # 20 s for 10 steps: 40 s for the other 20
 
 
-def test_the_curves_have_a_step_axis_and_four_panels(tmp_path: Path) -> None:
+def test_the_curves_have_a_step_axis_and_four_panels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import matplotlib.image
 
+    figures = []
+    close = report.plt.close
+    monkeypatch.setattr(report.plt, "close", lambda fig: (figures.append(fig), close(fig)))
     png = report.plot_curves(_steps(), tmp_path / "curves.png", "run")
     height, width, _ = matplotlib.image.imread(png).shape
-    assert width > height > 500  # the 2 x 2 figure, not the old single panel
+    assert width > height > 500  # the 2 x 2 figure was written
+    (fig,) = figures
+    assert [ax.get_title() for ax in fig.axes] == ["reward and accuracy", "loss, entropy, KL", "throughput",
+                                                   "idle share of each step"]
+    assert [ax.get_xlabel() for ax in fig.axes] == ["", "", "step", "step"]
+    learn = fig.axes[0]
+    held = [line for line in learn.get_lines() if line.get_label() == "held-out accuracy"][0]
+    assert list(held.get_xdata()) == [0, 10, 20, 30] and held.get_ydata()[0] == 0.3  # the warm start, 1-based steps
+    idle_labels = {line.get_label() for line in fig.axes[3].get_lines()}
+    assert idle_labels == {"trainer idle", "generator idle"}  # no machine CPU reading in these steps: not drawn
