@@ -31,13 +31,12 @@ def test_reference_calls_the_tool_except_a_direct_share(env: ToolCalcEnv) -> Non
     refs = [env.reference_solution(p) for p in prompts]
     direct = [r for r in refs if "<code>" not in r]
     assert abs(len(direct) / len(refs) - DIRECT_SHARE) < 0.06
-    for p, ref in zip(prompts, refs):
+    for p, ref in zip(prompts, refs):  # every reference that calls the tool scores, no direct one does
         assert env.score(p, ref).correct == ("<code>" in ref)
-        if "<code>" in ref:  # the reference's output is exactly what the sandbox appends
-            code_end = ref.index("</code>") + len("</code>")
-            assert ref[code_end:].startswith(run_tool_call(p.text + ref[:code_end], 2.0, 64))
-            assert len(output_spans(ref)) == 1
-            break
+    p, ref = next((p, ref) for p, ref in zip(prompts, refs) if "<code>" in ref)
+    code_end = ref.index("</code>") + len("</code>")  # the reference's output is exactly what the sandbox appends
+    assert ref[code_end:].startswith(run_tool_call(p.text + ref[:code_end], 2.0, 64))
+    assert len(output_spans(ref)) == 1
 
 
 def test_score(env: ToolCalcEnv) -> None:

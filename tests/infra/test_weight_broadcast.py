@@ -55,6 +55,7 @@ def test_engines_load_exactly_what_the_trainer_broadcasts_over_gloo(random_model
     _check_broadcast(*_workers(random_model_dir, tmp_path / "store"))
 
 
+@pytest.mark.slow
 def test_an_engine_outside_the_group_says_why(random_model_dir: Path, local_ray: None) -> None:
     import ray
 
