@@ -67,9 +67,13 @@ def locate(run: str, tracking_uri: str | None, runs: str | None) -> tuple[str, s
     if run_json.is_file():
         try:
             record = json.loads(run_json.read_text())
-            recorded_uri, run_id = record["tracking_uri"], record["mlflow_run_id"]
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError) as exc:
             raise ReproduceError(f"{run_json} is not a readable reflow run record: {exc}") from None
+        recorded_uri = record.get("tracking_uri") if isinstance(record, dict) else None
+        run_id = record.get("mlflow_run_id") if isinstance(record, dict) else None
+        if not isinstance(recorded_uri, str) or not isinstance(run_id, str | None):
+            raise ReproduceError(f"{run_json} is not a reflow run record (expected an object with tracking_uri "
+                                 f"and mlflow_run_id)")
         if not run_id:
             raise ReproduceError(f"{run_json}: the run was not tracked in MLflow (tracking off); nothing to reproduce")
         return tracking_uri or recorded_uri, run_id
@@ -93,9 +97,14 @@ def open_client(tracking_uri: str):
                                  "under) or --tracking-uri URI")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow import MlflowClient  # about 2.5 s: only when a command reads MLflow
+    from mlflow.exceptions import MlflowException
 
     quiet_mlflow_logging()
-    return MlflowClient(tracking_uri=tracking_uri)
+    try:
+        return MlflowClient(tracking_uri=tracking_uri)
+    except MlflowException:
+        raise ReproduceError(f"MLflow has no tracking store for {tracking_uri!r}: pass --tracking-uri with a "
+                             "sqlite:///, http(s):// or database URI (or --runs DIR)") from None
 
 
 def fetch_manifest(client: Any, run_id: str, tracking_uri: str) -> dict[str, Any]:

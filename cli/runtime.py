@@ -22,6 +22,7 @@ from reflow.infra.prefect_api import ephemeral_server_starting, start_ephemeral_
 from reflow.policies.hub import ModelNotFound, local_model_dir
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.store import StorageError
+from reflow.storage.tracker import DISABLED_URIS, MLflowTracker
 
 EXIT_BAD_INPUT = 2
 # Free space a run's directory must have at its start: the default run writes about 40 MiB (checkpoints, tables,
@@ -89,6 +90,31 @@ def preflight(cfg: ReflowConfig) -> None:
             DeltaTrajectoryStore(cfg.storage.root).table_versions()
         except StorageError as exc:
             raise InputError(f"storage.root: {exc}") from None
+    check_tracking_uri(cfg.tracking.tracking_uri)
+
+
+def check_tracking_uri(uri: str | None) -> None:
+    """InputError naming tracking.tracking_uri unless MLflow has a tracking store for its scheme (looked up as
+    MLflow does, without opening the store) and it is not the file store MLflow 3 refuses. Unset and the
+    ``DISABLED_URIS`` pass."""
+    if uri is None or uri.strip().lower() in DISABLED_URIS:
+        return
+    try:
+        MLflowTracker(uri, "reflow")  # opens nothing; refuses a file store
+    except ValueError as exc:
+        raise InputError(f"tracking.tracking_uri: {exc}") from None
+    # MLflow's own lookup of a store by scheme (plugins included); importing mlflow takes about a second, paid
+    # only by a run that names a tracking URI. A private name: if a later MLflow moves it, the run's start checks.
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    except ImportError:
+        return
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception:  # MLflow's message speaks of the model registry, not of this field
+        raise InputError(f"tracking.tracking_uri: MLflow has no tracking store for {uri!r} (use "
+                         f"sqlite:///<absolute path>/mlflow.db, http(s)://host:port, postgresql://..., or 'none')"
+                         ) from None
 
 
 def check_writable(path: Path, field: str, min_free_mib: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -33,13 +35,22 @@ class ServeError(Exception):
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """Whether something already listens on ``host:port`` (or the port cannot be bound)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """Whether something already listens on ``host:port``; InputError naming --host or --port if it cannot be
+    bound for another reason (a host that is no address of this machine, a port that needs root)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise InputError(f"--host {host!r}: not an address or host name ({exc.strerror})") from None
+    with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is no conflict
         try:
-            sock.bind((host, port))
-        except OSError:
-            return True
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise InputError(f"--host {host!r}: not an address of this machine") from None
+            raise InputError(f"--port {port} on {host}: cannot listen there ({exc.strerror})") from None
     return False
 
 
@@ -167,6 +178,11 @@ def serve(host: str, port: int, api_url: str | None, out_dir: str) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:
         raise InputError(f"--port must be in 1..65535, got {args.port}")
+    if args.api_url:
+        url = urllib.parse.urlparse(args.api_url)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise InputError(f"--api-url {args.api_url!r}: expected the server's API URL, "
+                             f"http(s)://HOST:PORT/api")
     if not args.api_url and port_in_use(args.host, args.port):
         raise InputError(f"port {args.port} on {args.host} is already in use: pass --port with a free port, or "
                          f"--api-url http://{args.host}:{args.port}/api to use a Prefect server already running there")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,6 +27,24 @@ from reflow.storage.store import TABLE_SPECS, StorageError
 
 OUTPUT_FORMATS = (".csv", ".parquet", ".jsonl")
 _CELL_CHARS = 40
+# What a query may start with: DataFusion runs any statement, and COPY ... TO, CREATE ... and EXPLAIN ANALYZE
+# COPY write files or change the session, which a read-only command must not.
+_READ_ONLY_START = re.compile(r"(SELECT|WITH|VALUES)\b|\(", re.IGNORECASE)
+_LEADING = re.compile(r"(\s+|--[^\n]*(\n|$)|/\*.*?\*/)*", re.DOTALL)  # whitespace and comments
+_EXPLAIN = re.compile(r"EXPLAIN(\s+ANALYZE)?(\s+VERBOSE)?(\s+FORMAT\s+\w+)?\s+", re.IGNORECASE)
+
+
+def check_read_only(sql: str) -> None:
+    """InputError unless ``sql`` is one read-only query: SELECT, WITH, VALUES, or an EXPLAIN of one."""
+    body = sql[_LEADING.match(sql).end():]
+    explain = _EXPLAIN.match(body)
+    if explain:
+        body = body[explain.end():]
+        body = body[_LEADING.match(body).end():]
+    if not _READ_ONLY_START.match(body):
+        first = body.split(None, 1)[0] if body.strip() else "nothing"
+        raise InputError(f"SQL: query reads the tables only; expected a SELECT, WITH or VALUES query, got "
+                         f"{first[:20]!r}")
 
 
 def parse_as_of(items: list[str], tables: tuple[str, ...]) -> dict[str, int]:
@@ -72,6 +91,8 @@ def format_table(table: pa.Table, max_rows: int) -> str:
     def line(values: list[str]) -> str:
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
 
+    if not names:  # a statement that returns no columns
+        return f"(no columns; {table.num_rows} row{'s' if table.num_rows != 1 else ''})"
     out = [line(names), "  ".join("-" * w for w in widths)] + [line(r) for r in cells]
     rest = table.num_rows - len(shown)
     out.append(f"({table.num_rows} row{'s' if table.num_rows != 1 else ''}"
@@ -132,6 +153,7 @@ def cmd_query(args: argparse.Namespace) -> int:
         as_of = parse_as_of(args.as_of_version, tuple(TABLE_SPECS))
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    check_read_only(args.sql)
     if args.output and Path(args.output).suffix.lower() not in (".csv", ".parquet", ".jsonl"):
         raise InputError(f"--output {args.output!r}: use a file ending in .csv, .parquet or .jsonl")
     target, store = open_target(args)

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from reflow.cli.runtime import prefect_api_starting, preflight, quiet_environment
+from reflow.cli.runtime import MIN_FREE_MIB, check_writable, prefect_api_starting, preflight, quiet_environment
 from reflow.config.load import InputError, config_to_json, load_config, stored_config
 from reflow.config.reference import reference_markdown
 from reflow.config.schema import ReflowConfig
@@ -19,9 +19,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
         cfg = stored_config((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
         record = run_dir / "run.json"
         # killed during start-up: no record yet, and the run id is the directory's name (``new_run_id``)
-        run_id = json.loads(record.read_text())["run_id"] if record.is_file() else run_dir.name
-    except (ValueError, KeyError) as exc:
+        data = json.loads(record.read_text()) if record.is_file() else {"run_id": run_dir.name}
+    except ValueError as exc:
         raise InputError(f"{run_dir}: unreadable config.json or run.json: {exc}") from None
+    run_id = data.get("run_id") if isinstance(data, dict) else None
+    if not isinstance(run_id, str) or not run_id:
+        raise InputError(f"{record}: not a reflow run record (expected an object with a run_id)")
+    # the checks of a new run: the model, reward function and dataset it names may have gone since, and a
+    # resumed run writes checkpoints, tables and MLflow records as a new one does
+    preflight(cfg)
+    check_writable(run_dir, "the run directory", MIN_FREE_MIB)
     quiet_environment(args.verbose)
     print(f"reflow resume {run_id}: mode={cfg.mode.kind} steps={cfg.run.total_steps}", flush=True)
     with prefect_api_starting():  # the flow imports (about 8 s) while the API server starts
@@ -73,6 +80,7 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if cfg.model.path is not None:
         raise InputError("model init builds the tiny default policy; unset model.path")
+    check_writable(Path(cfg.model.cache_dir), "model.cache_dir", 0)
     quiet_environment(False)
     from reflow.policies.tiny import ensure_tiny_model  # torch and transformers (about 4 s)
 

@@ -90,10 +90,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     elif path is not None:
         source = str(path)
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {source!r} is a directory; give a TOML file")
         if not p.is_file():
             raise ConfigError(f"config file {source!r} does not exist")
         try:
-            tree = tomllib.loads(p.read_text())
+            tree = tomllib.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {source!r} is not UTF-8 text (byte {exc.start}); TOML files are "
+                              f"UTF-8") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {source!r} cannot be read ({exc.strerror})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {source!r} is not valid TOML: {exc}") from exc
     for item in overrides or []:

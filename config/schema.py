@@ -187,7 +187,8 @@ class RolloutConfig(_Section):
         "round; 'sorted_on_policy' oversubscribes the engine, ends the round once one batch of groups is done, "
         "trains the shortest groups first and drops unfinished ones (prompts re-queued); 'sorted_partial' keeps "
         "unfinished responses in the rollout cache and resumes them next round, each token keeping its own "
-        "log-prob and version. The streaming modes always resume partial responses across updates.")
+        "log-prob and version. The streaming modes always resume partial responses across updates: in async "
+        "and reflow 'sorted_partial' is accepted and runs as 'plain' (no rounds); other pairs need mode sync.")
     oversubscription: float = Field(4.0, ge=1.0, le=16.0, description="Sorted rounds: groups open at once (cached "
                                     "ones included) as a multiple of prompts_per_step; their requests queue, cached "
                                     "work first, and start as engine slots free, so unused ones cost nothing.")
@@ -200,12 +201,13 @@ class RolloutConfig(_Section):
                             "incomplete this many rounds (the next round waits for it); sorted_partial trains a "
                             "complete group that waited this many rounds before shorter ones. No prompt starves.")
     kv_on_update: Literal["recompute", "keep"] = Field(
-        "recompute", description="vLLM, requests in flight when new weights arrive (streaming modes): 'recompute' "
-        "interrupts them and prefills prompt + partial response again on the new weights (AReaL's interruptible "
-        "generation; every later token is the new policy's exactly); 'keep' swaps the weights under them and "
-        "keeps their KV cache from the old weights (PipelineRL's in-flight update: no re-prefill; later tokens are "
-        "sampled by the new weights over old keys and values, and their stored log-probs are those of that "
-        "sampling, so the off-policy correction stays exact).")
+        "recompute", description="vLLM, requests in flight when new weights arrive (streaming modes, and the "
+        "unfinished responses a SortedRL round leaves for the next): 'recompute' interrupts them and prefills "
+        "prompt + partial response again on the new weights (AReaL's interruptible generation; every later "
+        "token is the new policy's exactly); 'keep' swaps the weights under them and keeps their KV cache from "
+        "the old weights (PipelineRL's in-flight update: no re-prefill; later tokens are sampled by the new "
+        "weights over old keys and values, and their stored log-probs are those of that sampling, so the "
+        "off-policy correction stays exact).")
     enforce_eager: bool = Field(True, description="vLLM: skip torch.compile (starts in seconds; for tiny "
                                                      "models on CPU eager decoding was as fast as compiled). The "
                                                      "workers then compile nothing (TORCHDYNAMO_DISABLE): vLLM's "
@@ -270,8 +272,8 @@ class TrainConfig(_Section):
         True, description="Scale each step's learning rate by the mean loss weight of the samples it trains on "
         "(those with a gradient). AdamW normalises the gradient's scale, so loss weights alone only re-balance "
         "samples within a batch: a batch of down-weighted replayed samples still moves the weights a full step. "
-        "With this on (default) it moves them by its mean weight; off: every step at the full rate, as before "
-        "2026-12-02 (docs/concepts.md \"The loss\").")
+        "With this on (default) it moves them by its mean weight; off: every step at the full rate, whatever its "
+        "weights (reflow's behaviour before this option existed; docs/concepts.md \"The loss\").")
     is_cap_mode: Literal["truncate", "mask"] = Field(
         "truncate", description="decoupled: above the cap, truncate the weight (TIS) or drop the token or "
         "sequence (mask: MIS, AReaL's code).")
@@ -499,9 +501,12 @@ class ReflowConfig(_Section):
         (``WORKLOAD_DEFAULTS``), so ``--set env.kind=math`` alone is a valid run."""
         if not isinstance(data, dict) or not isinstance(data.get("env"), dict):
             return data
-        tiny = (data.get("model") or {}).get("path") is None
+        kind, model = data["env"].get("kind"), data.get("model") or {}
+        if not isinstance(kind, str) or not isinstance(model, dict):
+            return data  # the field checks of env.kind and model name the wrong type
+        tiny = model.get("path") is None
         out = {**data}
-        for (section, key), value in WORKLOAD_DEFAULTS.get(data["env"].get("kind"), {}).items():
+        for (section, key), value in WORKLOAD_DEFAULTS.get(kind, {}).items():
             if key == "max_prompt_tokens" and not tiny:
                 continue  # a real model's prompts: the generic default
             given = out.get(section)
@@ -532,8 +537,8 @@ class ReflowConfig(_Section):
                 raise ValueError(f"{field}.{mode}: expected an integer from 0 to 1000 (got {value!r})")
         mode = data.get("mode") or {}
         kind = mode.get("kind", ModeConfig.model_fields["kind"].default) if isinstance(mode, dict) else None
-        if kind not in table:
-            return data  # an unknown mode: the field check of mode.kind names it
+        if not isinstance(kind, str) or kind not in table:
+            return data  # an unknown mode or a wrong type: the field check of mode.kind names it
         return {**data, "buffer": {**buffer, "max_staleness_versions": table[kind]}}
 
     @model_validator(mode="after")

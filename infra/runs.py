@@ -84,8 +84,12 @@ def read_run_json(run_dir: Path) -> dict:
             config = json.loads((run_dir / CONFIG_FILE).read_text())
         except (OSError, ValueError) as exc:
             raise RunNotFound(f"{run_dir / CONFIG_FILE} cannot be read: {exc}") from None
-        root = (config.get("storage") or {}).get("root") or str(run_dir.resolve() / "tables")
-        return {"run_id": run_dir.name, "store_root": root}
+        storage = (config.get("storage") or {}) if isinstance(config, dict) else None
+        root = storage.get("root") if isinstance(storage, dict) else None
+        if not isinstance(storage, dict) or not isinstance(root, str | None):
+            raise RunNotFound(f"{run_dir / CONFIG_FILE} is not a reflow run config (expected an object whose "
+                              f"storage.root is a path or unset)")
+        return {"run_id": run_dir.name, "store_root": root or str(run_dir.resolve() / "tables")}
     try:
         data = json.loads((run_dir / RUN_FILE).read_text())
     except (OSError, ValueError) as exc:

@@ -148,20 +148,33 @@ def test_query_bad_input_exits_2_and_changes_nothing(run_dir: Path, tmp_path: Pa
     cases = [
         (["SELECT 1", str(tmp_path / "nope")], "is not a run directory"),
         (["SELECT 1", str(tables)], "pass it as --root"),
-        (["SELEC * FROM usage", str(run_dir)], "ParserError"),
+        (["SELEC * FROM usage", str(run_dir)], "got 'SELEC'"),
+        (["SELECT * FROM usage WHERE", str(run_dir)], "ParserError"),
         (["SELECT nope FROM usage", str(run_dir)], "No field named nope"),
         (["SELECT * FROM rollout_cache", str(run_dir)], "'rollout_cache' does not exist yet"),
         (["SELECT 1", str(run_dir), "--as-of-version", "usage=99"], "version 99 does not exist"),
         (["SELECT 1", str(run_dir), "--as-of-version", "usagee=1"], "TABLE=VERSION"),
         (["SELECT 1", str(run_dir), "--output", str(tmp_path / "x.xlsx")], ".csv, .parquet or .jsonl"),
         (["SELECT 1", str(run_dir), "--output", str(tmp_path / "no/dir/x.csv")], "does not exist"),
+        ([f"COPY (SELECT 1 AS a) TO '{tmp_path / 'copy.csv'}' STORED AS CSV", str(run_dir)], "got 'COPY'"),
+        ([f"EXPLAIN ANALYZE COPY (SELECT 1 AS a) TO '{tmp_path / 'copy.csv'}' STORED AS CSV", str(run_dir)],
+         "got 'COPY'"),
+        (["CREATE TABLE t AS SELECT 1", str(run_dir)], "got 'CREATE'"),
     ]
     for args, message in cases:
         code, out, err = reflow(["query", *args], capsys)
         assert code == 2, (args, out, err)
         assert message in err and "Traceback" not in err, (args, err)
     assert files_of(tables) == before
-    assert not (tmp_path / "x.xlsx").exists()
+    assert not (tmp_path / "x.xlsx").exists() and not (tmp_path / "copy.csv").exists()
+
+
+def test_a_result_without_columns_prints_a_short_line(run_dir: Path, capsys) -> None:
+    from reflow.cli.tables import format_table
+
+    assert format_table(pa.table({}), 50) == "(no columns; 0 rows)"
+    code, out, _ = reflow(["query", "-- a comment\nSELECT 1 INTO t", str(run_dir)], capsys)
+    assert (code, out) == (0, "(no columns; 0 rows)\n")
 
 
 def test_sql_error_from_the_command_line_has_no_traceback(run_dir: Path, tmp_path: Path) -> None:
@@ -278,3 +291,14 @@ def test_maintain_flow_checks_the_lock_itself(run_dir: Path, prefect_api) -> Non
     finally:
         lock.release()
     assert forced["usage"]["files_removed"] == 3
+
+
+@pytest.mark.parametrize("config", ["[]", '{"storage": "x"}', '{"storage": {"root": 5}}'])
+def test_a_starting_run_with_a_config_that_is_not_a_run_config_exits_2(tmp_path: Path, capsys, config: str) -> None:
+    run = tmp_path / "runs" / "starting"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(config)
+    for args in (["query", "SELECT 1", str(run)], ["maintain", str(run)]):
+        code, _, err = reflow(args, capsys)
+        assert code == 2 and "is not a reflow run config" in err and "Traceback" not in err, (args, err)
+    assert os.listdir(run) == ["config.json"]

@@ -180,3 +180,18 @@ def test_reproduce_repeats_a_sync_run_exactly(tmp_path: Path, engine: str) -> No
     repeat = client.get_run(report["repeat"])
     assert repeat.data.tags["reflow.reproduces"] == mlflow_id
     assert repeat.data.tags["reflow.pkg.torch"] == torch.__version__
+
+
+def test_a_record_that_is_not_an_object_or_a_store_mlflow_cannot_open_exits_2(tmp_path: Path, capsys,
+                                                                              monkeypatch) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text("[]")
+    assert cli.main(["reproduce", str(run_dir)]) == 2
+    assert "run.json is not a reflow run record" in capsys.readouterr().err
+    assert cli.main(["reproduce", "abc", "--tracking-uri", "bogus://x"]) == 2
+    assert "no tracking store for 'bogus://x': pass --tracking-uri" in capsys.readouterr().err
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://y")
+    assert cli.main(["reproduce", "abc"]) == 2
+    assert "no tracking store for 'bogus://y'" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.rglob("*")] == ["run", "run.json"]

@@ -214,3 +214,24 @@ def test_a_stored_config_text_is_read_instead_of_the_file(tmp_path: Path) -> Non
     assert load_config(path, text="[run]\ntotal_steps = 7\n").run.total_steps == 7
     with pytest.raises(ConfigError, match="as stored"):
         load_config(path, text="[run\n")
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["env.kind=[1]"], "env.kind: Input should be"),
+    (["env.kind=arith", "model=1"], "model: Input should be a valid dictionary"),
+    (["buffer.max_staleness_versions={sync = 8, one_step_off = 8, async = 4, reflow = 8}", "mode.kind=[1]"],
+     "mode.kind: Input should be"),
+])
+def test_a_value_of_the_wrong_type_under_a_before_validator_names_the_field(overrides: list[str],
+                                                                            needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
+
+
+def test_a_config_path_that_is_not_a_utf8_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "exp.toml"
+    path.write_bytes(b"\xff\xfe[run]\n")
+    with pytest.raises(ConfigError, match="is not UTF-8"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
