@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from reflow.config.load import load_config
 from reflow.infra.run import read_steps
 from reflow.storage.metrics import StepRecord, eval_points
 
@@ -409,11 +410,62 @@ def load_results(path: Path) -> list[ModeResult]:
     path = path / "bench.json" if path.is_dir() else path
     try:
         runs = json.loads(path.read_text())["runs"]
+        if not isinstance(runs, list) or not all(isinstance(run, dict) for run in runs):
+            raise ValueError("'runs' is not a list of run objects")
         names = {f.name for f in fields(ModeResult)}
         return [ModeResult(**{k: ([tuple(p) for p in v] if k in ("eval_curve", "data_curve") else v)
                               for k, v in run.items() if k in names}) for run in runs]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a bench.json written by reflow bench ({exc})") from exc
+
+
+def load_meta(path: Path) -> dict[str, Any]:
+    """The ``meta`` of a ``bench.json`` (``path``: the file or its directory): the config, its text and the
+    overrides its runs read. ValueError naming the file if it has none, or they are not what ``write_json`` keeps."""
+    path = path / "bench.json" if path.is_dir() else path
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a bench.json written by reflow bench ({exc})") from exc
+    meta = data.get("meta") if isinstance(data, dict) else None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: no 'meta' object (the config and overrides its runs read); not a bench.json "
+                         "written by reflow bench")
+    overrides = meta.get("overrides", [])
+    if not (isinstance(overrides, list) and all(isinstance(o, str) for o in overrides)
+            and all(isinstance(meta.get(k), str | None) for k in ("config", "config_text"))):
+        raise ValueError(f"{path}: meta.overrides must be a list of KEY=VALUE strings and meta.config, "
+                         "meta.config_text strings")
+    return meta
+
+
+def row_overrides(config: str | None, overrides: list[str], mode: str, seed: int, equal_steps: bool) -> list[str]:
+    """The ``--set`` items of row ``mode`` and ``seed``'s ``reflow run`` (``flows.bench.bench_mode``): ``overrides``,
+    the row's mode and scheduling, the equal-data run length unless ``equal_steps``, the seed, deferred
+    evaluation, the run's name. ConfigError if the config so far is not valid."""
+    kind, scheduling = ROWS[mode]
+    rows = [f"mode.kind={json.dumps(kind)}", f"rollout.scheduling={json.dumps(scheduling)}"]
+    if not equal_steps:
+        cfg = load_config(config, [*overrides, *rows])
+        rows += equal_data(cfg.run.total_steps, cfg.rollout.prompts_per_step, cfg.fresh_groups_per_step())
+    return [*overrides, *rows, f"run.seed={seed}", "eval.deferred=true",
+            f"run.name={json.dumps(f'bench-{mode}-s{seed}')}"]
+
+
+def check_rows(config: str | None, overrides: list[str], modes: list[str], seeds: list[int], out: Path,
+               equal_steps: bool) -> None:
+    """Before any row runs: ValueError naming the first mode and seed whose config is not valid (a mode's own
+    checks: SortedRL rounds with tool calls, say) or whose run directory under ``out`` already holds a run."""
+    for seed in seeds:
+        for mode in modes:
+            try:
+                load_config(config, row_overrides(config, overrides, mode, seed, equal_steps))
+            except ValueError as exc:
+                raise ValueError(f"mode {mode}, seed {seed}: {exc}") from None
+            runs = out / "runs" / f"{mode}-s{seed}"
+            if runs.exists() and (not runs.is_dir() or any(runs.iterdir())):
+                raise ValueError(f"--output: {str(runs)!r} already holds mode {mode}, seed {seed}; choose a new "
+                                 "--output")
 
 
 def repeat_key(path: Path) -> str | None:

@@ -33,6 +33,8 @@ from reflow.storage.schema import TRAJECTORY_SCHEMA, USAGE_SCHEMA
 from reflow.storage.store import TABLE_SPECS, TRAJECTORIES, USAGE, TrajectoryStore
 
 RUN_ID = "bench-run"
+# Written in a root the bench builds its tables in: --rebuild deletes only a root that holds it (or nothing).
+MARKER = ".reflow-bench-sampler"
 PROMPT_TOKENS = 24  # short lists keep the build fast; the scan never reads them
 RESPONSE_TOKENS = 12
 
@@ -163,6 +165,27 @@ def _append(store: DeltaTrajectoryStore, name: str, data: pa.Table) -> None:
                     name=spec.name)
 
 
+def check_root(root: str | Path, rebuild: bool) -> None:
+    """ValueError unless ``root`` is absent, empty, or a root this bench built: its marker, ``trajectories`` and
+    ``usage`` and nothing else (``rebuild`` deletes it, so a folder of the user's, or a run's tables, is refused;
+    without ``rebuild`` the bench would append synthetic rows to the tables it finds)."""
+    path = Path(root)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ValueError(f"--root: {str(path)!r} is a file, not a directory")
+    names = {p.name for p in path.iterdir()}
+    if not names:
+        return
+    other = sorted(names - {MARKER, TRAJECTORIES, USAGE})
+    if other:
+        raise ValueError(f"--root: {str(path)!r} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, "
+                         "not only the bench's tables; choose an empty or new directory")
+    if rebuild and MARKER not in names:
+        raise ValueError(f"--root: {str(path)!r} has no {MARKER} (not built by this bench), so --rebuild will not "
+                         "delete it; delete it yourself or choose a new directory")
+
+
 def bench_sampler(rows: int, root: str, rows_per_version: int = 4000, queries: int = 50, samples_per_prompt: int = 8,
                   groups_needed: int = 64, max_staleness: int = 4, appends: int = 4, compact: bool = True,
                   rebuild: bool = False) -> dict[str, object]:
@@ -192,11 +215,14 @@ def bench_sampler(rows: int, root: str, rows_per_version: int = 4000, queries: i
     timed steps add theirs.
     """
     path = Path(root)
+    check_root(path, rebuild)
     if rebuild and path.exists():
         shutil.rmtree(path)
     timings: dict[str, float] = {}
     versions = max(1, rows // rows_per_version)
     if not (path / TRAJECTORIES).exists():
+        path.mkdir(parents=True, exist_ok=True)
+        (path / MARKER).write_text("built by reflow bench-sampler; --rebuild deletes this directory\n")
         timings = build_buffer(root, rows, versions, samples_per_prompt, max_staleness, appends, compact)
     store = DeltaTrajectoryStore(root)
     trajectories, usage = DeltaTable(store.table_uri(TRAJECTORIES)), DeltaTable(store.table_uri(USAGE))

@@ -53,6 +53,7 @@ import gzip
 import json
 import os
 import statistics
+import zlib
 from collections import defaultdict
 from pathlib import Path
 
@@ -161,8 +162,14 @@ def bench_traces(bench_dir: str | Path) -> dict[str, MeasuredGroups]:
     bench_dir = Path(bench_dir)
     stored = bench_dir / TRACES
     if stored.is_file():
-        data = json.loads(gzip.decompress(stored.read_bytes()))
-        return {key: MeasuredGroups.model_validate(value) for key, value in data.items()}
+        try:
+            data = json.loads(gzip.decompress(stored.read_bytes()))
+            return {key: MeasuredGroups.model_validate(value) for key, value in data.items()}
+        except PermissionError as exc:
+            raise ValueError(f"{stored}: cannot read it ({exc.strerror})") from exc
+        except (OSError, EOFError, zlib.error, ValueError, AttributeError) as exc:  # not gzip, cut short, not traces
+            raise ValueError(f"{stored}: not a trace file ({type(exc).__name__}); delete it to rebuild it from the "
+                             "runs' tables (while their directories exist)") from exc
     traces = {}
     for r in mode_bench.load_results(bench_dir):
         if not Path(r.run_dir).is_dir():
@@ -396,7 +403,9 @@ def engine_check(profile: SimProfile, figures: dict) -> list[dict]:
     profile's pooled groups. The bench's steps include admitting new requests; the model's prefill term is the
     profile's. ValueError if the figures have no points or the profile no measured groups.
     """
-    points = figures.get("points") or []
+    points = figures.get("points") if isinstance(figures, dict) else None
+    if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+        raise ValueError("engine check: bench_engine.json has no list of points (not written by reflow bench-engine)")
     if not points or profile.lengths.groups is None:
         raise ValueError("engine check: needs bench_engine.json points and a profile with measured groups")
     lengths = np.asarray([n for g in profile.lengths.groups for n in g], float)

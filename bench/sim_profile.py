@@ -35,7 +35,7 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class _Part(BaseModel):
@@ -245,8 +245,20 @@ def load_profile(path: str | Path) -> SimProfile:
         raise ValueError(f"profile {path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({exc})") from exc
     try:
         return SimProfile.model_validate(data)
-    except ValueError as exc:
-        raise ValueError(f"profile {path}: {exc}") from exc
+    except ValidationError as exc:
+        raise ValueError(f"invalid profile ({path}):\n{_field_errors(exc)}") from None
+
+
+def _field_errors(err: ValidationError) -> str:
+    """One line per wrong field, ``  path.to.field: message (got value)``, as the config loader writes them."""
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"])
+        msg = item["msg"].removeprefix("Value error, ")
+        given = item.get("input")
+        shown = "" if isinstance(given, dict) or item["type"] == "missing" else f" (got {given!r})"
+        lines.append(f"  {where}: {msg}{shown}" if where else f"  {msg}{shown}")
+    return "\n".join(lines)
 
 
 def save_profile(profile: SimProfile, path: str | Path) -> Path:

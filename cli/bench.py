@@ -8,8 +8,15 @@ import os
 from pathlib import Path
 
 from reflow.bench import decompose, mode_bench
-from reflow.bench.sampler import bench_sampler
-from reflow.cli.runtime import int_list, prefect_api_starting, preflight, quiet_environment
+from reflow.bench.sampler import bench_sampler, check_root
+from reflow.cli.runtime import (
+    MIN_FREE_MIB,
+    check_writable,
+    int_list,
+    prefect_api_starting,
+    preflight,
+    quiet_environment,
+)
 from reflow.config.load import InputError, load_config
 
 
@@ -19,6 +26,12 @@ def cmd_bench_sampler(args: argparse.Namespace) -> int:
     if not (8 <= args.rows_per_version <= args.rows and args.rows_per_version % 8 == 0):
         raise InputError(f"--rows-per-version must be a multiple of 8 (whole groups) between 8 and --rows, "
                          f"got {args.rows_per_version}")
+    try:
+        check_root(args.root, args.rebuild)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    check_writable(Path(args.root), "--root", 0)
+    _check_output_dir(args.output)
     print(f"building/reusing {args.rows:,} trajectory rows under {args.root} ...", flush=True)
     figures = bench_sampler(args.rows, args.root, rows_per_version=args.rows_per_version, queries=args.queries,
                             rebuild=args.rebuild)
@@ -43,6 +56,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if cfg.rollout.engine != "vllm":
         raise InputError("bench-engine measures the vLLM engine; set rollout.engine = \"vllm\"")
+    _check_output_dir(args.output)
     quiet_environment(False)
     os.environ["OMP_NUM_THREADS"] = str(cfg.resources.torch_threads)  # as the engine actor runs (before torch loads)
     from reflow.bench.engine import bench_engine, measure_pool  # torch and vLLM, after OMP_NUM_THREADS is set
@@ -64,9 +78,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in known]
     if not modes or bad:
         raise InputError(f"--modes: unknown mode(s) {bad or modes}; choose from {', '.join(known)}")
+    if len(set(modes)) < len(modes):
+        raise InputError(f"--modes: a mode given twice in {args.modes!r}")
     seeds = int_list(args.seeds, "--seeds")
-    if not seeds:
-        raise InputError("--seeds: give at least one seed")
+    if not seeds or min(seeds) < 0 or len(set(seeds)) < len(seeds):
+        raise InputError(f"--seeds: give one or more different seeds >= 0, got {args.seeds!r}")
     if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
         raise InputError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
     if args.smooth_evals < 1:
@@ -76,8 +92,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if cfg.env.eval_prompts == 0:
         raise InputError("env.eval_prompts: the benchmark needs held-out prompts (> 0)")
     out = Path(args.output)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--output: {str(out)!r} exists and is not a directory")
+    _check_output_dir(args.output, MIN_FREE_MIB)
+    try:  # every row's config and run directory, before any row runs
+        mode_bench.check_rows(args.config, list(args.overrides), modes, seeds, out, args.equal_steps)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     quiet_environment(False)
     with prefect_api_starting():  # the flow imports (about 8 s) while the API server starts
         from reflow.flows.bench import bench_flow
@@ -85,6 +104,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bench_flow(config=args.config, set=list(args.overrides), modes=modes, seeds=seeds, output=str(out.resolve()),
                target_accuracy=args.target_accuracy, smooth_evals=args.smooth_evals, equal_steps=args.equal_steps)
     return 0
+
+
+def _check_output_dir(output: str | None, min_free_mib: int = 0) -> None:
+    """InputError unless ``--output`` (if given) is a directory, or can be made one, and can be written."""
+    if output is None:
+        return
+    if Path(output).exists() and not Path(output).is_dir():
+        raise InputError(f"--output: {output!r} exists and is not a directory")
+    check_writable(Path(output), "--output", min_free_mib)
 
 
 def cmd_bench_report(args: argparse.Namespace) -> int:

@@ -96,19 +96,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench-sampler", help="time the replay-buffer sampling query on a synthetic table")
     bench.add_argument("--rows", type=int, default=1_000_000, help="trajectory rows (default 1,000,000)")
     bench.add_argument("--root", metavar="ROOT", default=".cache/reflow/bench-sampler",
-                       help="the Delta store root of the synthetic tables (reused if present)")
+                       help="the Delta store root of the synthetic tables (reused if present; default "
+                            ".cache/reflow/bench-sampler)")
     bench.add_argument("--rows-per-version", type=int, default=4000,
                        help="trajectory rows per policy version: the table grows by versions, as a run's does "
                             "(default 4,000)")
-    bench.add_argument("--queries", type=int, default=50, help="timed selections")
-    bench.add_argument("--rebuild", action="store_true", help="rebuild the tables under --root")
+    bench.add_argument("--queries", type=int, default=50, help="timed selections (default 50)")
+    bench.add_argument("--rebuild", action="store_true", help="delete --root and rebuild its tables (refused unless "
+                       "the bench built it)")
     _add_output_arg(bench, "also write DIR/bench_sampler.json")
     eng = sub.add_parser("bench-engine", help="vLLM generated tokens/s at fixed numbers of running sequences")
     _add_config_args(eng)
-    eng.add_argument("--concurrency", default="8,16,32,64,128,256", help="running sequences per point")
+    eng.add_argument("--concurrency", default="8,16,32,64,128,256", help="running sequences per point "
+                     "(default 8,16,32,64,128,256)")
     eng.add_argument("--steps", type=int, default=60, help="timed engine steps per point (default 60)")
     eng.add_argument("--warmup", type=int, default=10, help="untimed engine steps before each point (default 10)")
-    eng.add_argument("--prefill-tokens", default="32,128", help="then time prefilling 256 prompts of each length")
+    eng.add_argument("--prefill-tokens", default="32,128", help="then time prefilling 256 prompts of each "
+                     "length (default 32,128)")
     eng.add_argument("--engines", default="", metavar="N,...",
                      help="then time data-parallel generation: the same --pool-requests dealt to N engine actors "
                           "under Ray, for each N (e.g. 1,2; default: skipped)")
@@ -214,7 +218,8 @@ def _flag_rows(parser: argparse.ArgumentParser, command: str) -> list[tuple[str,
             if action.option_strings and action.nargs != 0 and not value:
                 value = action.dest.upper()
             name += {"?": " (optional)", "+": "..."}.get(action.nargs, "") if not action.option_strings else ""
-            rows.append((command, f"`{name}`" + (f" {value}" if action.option_strings and value else ""),
+            required = " (required)" if action.option_strings and action.required else ""
+            rows.append((command, f"`{name}`" + (f" {value}" if action.option_strings and value else "") + required,
                          (action.help or "").replace("%%", "%").replace("|", "\\|")))
     return rows
 

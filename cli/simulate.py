@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from reflow.cli.runtime import int_list
+from reflow.cli.runtime import check_writable, int_list
 from reflow.config.load import InputError
 from reflow.config.schema import ReflowConfig
 
@@ -23,8 +23,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.calibrate:
         from reflow.bench.sim_calibrate import calibrate
 
-        if out.suffix != ".json" or not out.parent.is_dir():
+        if out.suffix != ".json" or not out.parent.is_dir() or out.is_dir():
             raise InputError(f"--output: with --calibrate, a .json file in an existing directory, got {args.output!r}")
+        check_writable(out.parent, "--output", 0)
         seeds = int_list(args.seeds, "--seeds") if args.seeds else None
         try:
             profile = calibrate(_bench_dir(args.calibrate), seeds)
@@ -36,6 +37,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     if out.exists() and not out.is_dir():
         raise InputError(f"--output: {str(out)!r} exists and is not a directory")
+    check_writable(out, "--output", 0)  # before the work: a file above it fails only at the write otherwise
     if args.check_engine:
         return _check_engine(args, out)
     from reflow.bench import mode_bench, sim_report
@@ -45,10 +47,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.validate or args.bench:
         try:
             bench = mode_bench.load_results(_bench_dir(args.validate or args.bench))
+            meta = mode_bench.load_meta(_bench_dir(args.validate)) if args.validate else {}
         except ValueError as exc:
             raise InputError(str(exc)) from exc
     if args.validate:
-        meta = json.loads((_bench_dir(args.validate) / "bench.json").read_text())["meta"]
         config, overrides = config_path(args.config or meta.get("config")), [*meta.get("overrides", []),
                                                                               *args.overrides]
         pairs = [(r.mode, r.seed) for r in bench if r.mode in SIMULATED]
@@ -110,7 +112,7 @@ def _check_engine(args: argparse.Namespace, out: Path) -> int:
     except OSError as exc:
         raise InputError(f"--check-engine: cannot read {path} ({exc.strerror}); run reflow bench-engine --output "
                          f"{args.check_engine} first") from exc
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise InputError(f"--check-engine {path}: {exc}") from exc
     print(f"{'running':>8} {'measured tok/s':>15} {'modelled tok/s':>15} {'step ms':>8} {'modelled':>9} {'error':>6}")
     for r in rows:

@@ -8,7 +8,6 @@ trainer, nothing warm carried from the previous mode) with
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from reflow.bench import decompose, mode_bench
-from reflow.config.load import load_config
 
 ROWS = mode_bench.ROWS
 
@@ -36,13 +34,7 @@ def bench_mode(config: str | None, overrides: list[str], mode: str, seed: int, o
     cmd = [sys.executable, "-m", "reflow.cli.main", "run", "--runs", str(runs)]
     if config:
         cmd += ["--config", config]
-    kind, scheduling = ROWS[mode]
-    rows = [f"mode.kind={json.dumps(kind)}", f"rollout.scheduling={json.dumps(scheduling)}"]
-    if equal_data:
-        cfg = load_config(config, [*overrides, *rows])
-        rows += mode_bench.equal_data(cfg.run.total_steps, cfg.rollout.prompts_per_step, cfg.fresh_groups_per_step())
-    for item in [*overrides, *rows, f"run.seed={seed}", "eval.deferred=true",
-                 f"run.name={json.dumps(f'bench-{mode}-s{seed}')}"]:
+    for item in mode_bench.row_overrides(config, overrides, mode, seed, equal_steps=not equal_data):
         cmd += ["--set", item]
     print(f"\n=== bench: mode {mode}, seed {seed} ===", flush=True)
     code = subprocess.call(cmd)
@@ -78,6 +70,7 @@ def bench_flow(config: str | None, set: list[str], modes: list[Mode], seeds: lis
     """
     overrides, out, target, equal_data = set, output, target_accuracy, not equal_steps
     config_text = Path(config).read_text() if config else None  # kept in bench.json: what the runs read
+    mode_bench.check_rows(config, overrides, modes, seeds, Path(out), equal_steps)  # before any row runs
     Path(out).mkdir(parents=True, exist_ok=True)
     results: list[mode_bench.ModeResult] = []
     for seed in seeds:

@@ -145,6 +145,34 @@ def test_equal_data_gives_reflow_the_steps_its_new_groups_need_and_new_samples_a
     assert mode_bench.aggregate([streaming])["reflow"]["new_samples"]["mean"] == 6 * 32
 
 
+def test_a_rows_overrides_are_the_ones_its_run_and_the_up_front_check_read(tmp_path: Path) -> None:
+    """``row_overrides``: what ``bench_mode`` passes its ``reflow run`` and ``check_rows`` validates before any row
+    runs; a row whose own config is invalid, or whose run directory is taken, is named."""
+    sets = mode_bench.row_overrides(None, ["run.total_steps=4"], "sorted_partial", 3, equal_steps=True)
+    assert sets == ["run.total_steps=4", 'mode.kind="sync"', 'rollout.scheduling="sorted_partial"', "run.seed=3",
+                    "eval.deferred=true", 'run.name="bench-sorted_partial-s3"']
+    assert "run.max_new_groups=" in " ".join(mode_bench.row_overrides(None, [], "reflow", 0, equal_steps=False))
+    mode_bench.check_rows(None, [], ["sync", "reflow"], [0, 1], tmp_path, equal_steps=False)
+    with pytest.raises(ValueError, match="mode sorted_on_policy, seed 1"):
+        mode_bench.check_rows(None, ['env.kind="tool_calc"'], ["sync", "sorted_on_policy"], [1], tmp_path, False)
+    (tmp_path / "runs" / "reflow-s1").mkdir(parents=True)
+    mode_bench.check_rows(None, [], ["reflow"], [1], tmp_path, False)  # an empty one is reused
+    (tmp_path / "runs" / "reflow-s1" / "r").mkdir()
+    with pytest.raises(ValueError, match="reflow-s1"):
+        mode_bench.check_rows(None, [], ["sync", "reflow"], [1], tmp_path, False)
+
+
+def test_load_meta_and_results_name_a_bench_json_that_is_not_one(tmp_path: Path) -> None:
+    for data, what in (({"runs": []}, "meta"), ({"runs": [], "meta": []}, "meta"),
+                       ({"runs": [], "meta": {"overrides": [1]}}, "meta.overrides")):
+        (tmp_path / "bench.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=what):
+            mode_bench.load_meta(tmp_path)
+    (tmp_path / "bench.json").write_text(json.dumps({"runs": ["x"]}))
+    with pytest.raises(ValueError, match="runs"):
+        mode_bench.load_results(tmp_path)
+
+
 def test_samples_to_target_splits_time_to_target_into_data_and_rate(tmp_path: Path) -> None:
     """The data curve counts new samples only; time to target = samples to target / new samples per second."""
     # six steps of 5 s; each trains 24 fresh + 8 stale (new) and 32 replayed samples; evaluations after steps 1 and 3

@@ -3,11 +3,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reflow.bench.sampler import bench_sampler
+from reflow.bench.sampler import MARKER, bench_sampler, check_root
 
 
 def test_bench_sampler_builds_and_times_a_small_buffer(tmp_path: Path) -> None:
     figures = bench_sampler(2_000, str(tmp_path / "buffer"), rows_per_version=200, queries=3, groups_needed=8)
+    assert sorted(p.name for p in (tmp_path / "buffer").iterdir()) == sorted([MARKER, "trajectories", "usage"])
+    check_root(tmp_path / "buffer", rebuild=True)  # marked as the bench's: --rebuild may delete it
     json.dumps(figures)  # serialisable as promised
     assert figures["rows"] == 2_000 and figures["versions"] == 10 and figures["usage_rows"] > 0
     assert figures["window_rows"] == 5 * 200 and figures["kept_open"]["append_ms"] > 0
