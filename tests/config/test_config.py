@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from reflow.config.load import ConfigError, config_to_json, flat_params, load_config
@@ -26,7 +27,7 @@ def test_overrides_parse_toml_literals_and_bare_strings() -> None:
 
 def test_config_is_frozen_and_round_trips_json() -> None:
     cfg = load_config()
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="Instance is frozen"):
         cfg.run.seed = 3  # type: ignore[misc]
     assert ReflowConfig.model_validate_json(config_to_json(cfg)) == cfg
     assert flat_params(cfg)["rollout.samples_per_prompt"] == str(cfg.rollout.samples_per_prompt)
