@@ -10,13 +10,31 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal, get_args
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, data: Any) -> Any:
+        """``total_steps = true`` is a mistake, not 1: pydantic would take a boolean for a number."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and bool not in _types(field.annotation):
+                    if _types(field.annotation) & {int, float}:
+                        raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
+        return data
+
+
+def _types(annotation: Any) -> set[Any]:
+    """The types a field's annotation admits (a union's members)."""
+    return set(get_args(annotation)) if get_origin(annotation) in (Union, UnionType) else {annotation}
 
 
 class RunConfig(_Section):

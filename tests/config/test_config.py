@@ -236,3 +236,11 @@ def test_a_config_path_that_is_not_a_utf8_file_is_a_config_error(tmp_path: Path)
         load_config(path)
     with pytest.raises(ConfigError, match="is a directory"):
         load_config(tmp_path)
+
+
+def test_a_boolean_is_not_taken_for_a_number() -> None:
+    for item, field in (("run.total_steps=true", "total_steps"), ("train.learning_rate=false", "learning_rate"),
+                        ("resources.num_cpus=true", "num_cpus")):
+        with pytest.raises(ConfigError, match=f"{field}: expected a number, got"):
+            load_config(None, [item])
+    assert load_config(None, ["rollout.enforce_eager=false"]).rollout.enforce_eager is False
