@@ -57,9 +57,9 @@ def test_a_flex_worker_switches_both_ways_and_loses_nothing(tmp_path: Path, refl
     assert any(m["helpers"] == 1 and m["helper_samples"] > 0 for m in steps), steps
     assert any(m["helpers"] == 0 for m in steps)
     # pool.in_flight = "move": what the worker held as it moved to training was resumed on the engine
-    # (none where the worker had finished what it held when it switched: async here, whose gate holds new groups
-    # back until the step that opens it, which is also when the pool decides; the move itself, given back and
-    # resumed by prefill elsewhere, is tested in tests/control/test_loops.py and by the lines below)
+    # (none where the worker held nothing when it switched: a run of the async case here moved none at any of its
+    # switches, the reflow case some; the move itself, given back and resumed by prefill elsewhere, is tested in
+    # tests/control/test_loops.py, and the lines below check that nothing was lost or doubled)
     moved = [m["requests_moved"] for m in steps]
     print("requests moved:", moved[-1])
     assert moved == sorted(moved), moved  # a running count
