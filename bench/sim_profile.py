@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from reflow.config.load import format_errors
+
 
 class _Part(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -246,19 +248,7 @@ def load_profile(path: str | Path) -> SimProfile:
     try:
         return SimProfile.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"invalid profile ({path}):\n{_field_errors(exc)}") from None
-
-
-def _field_errors(err: ValidationError) -> str:
-    """One line per wrong field, ``  path.to.field: message (got value)``, as the config loader writes them."""
-    lines = []
-    for item in err.errors():
-        where = ".".join(str(p) for p in item["loc"])
-        msg = item["msg"].removeprefix("Value error, ")
-        given = item.get("input")
-        shown = "" if isinstance(given, dict) or item["type"] == "missing" else f" (got {given!r})"
-        lines.append(f"  {where}: {msg}{shown}" if where else f"  {msg}{shown}")
-    return "\n".join(lines)
+        raise ValueError(format_errors(exc, f"invalid profile ({path}):")) from None
 
 
 def save_profile(profile: SimProfile, path: str | Path) -> Path:

@@ -58,12 +58,14 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
+def format_errors(err: ValidationError, heading: str, config_fields: bool = False) -> str:
+    """``heading``, then one line per wrong field: ``  path.to.field: message (got value)``. ``config_fields``: an
+    unknown field is named as a config's (retired ones with their replacement)."""
+    lines = [heading]
     for item in err.errors():
         path = ".".join(str(p) for p in item["loc"])
         msg = item["msg"].removeprefix("Value error, ")  # our validators' messages, without pydantic's label
-        if item["type"] == "extra_forbidden":
+        if item["type"] == "extra_forbidden" and config_fields:
             msg = RETIRED[path][0] if path in RETIRED else (
                 "unknown field (check the spelling; every field: docs/configuration.md or `reflow config`)")
         given = item.get("input")
@@ -116,7 +118,7 @@ def validate_config(tree: dict[str, Any], source: str) -> ReflowConfig:
     try:
         return ReflowConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, source)) from None
+        raise ConfigError(format_errors(exc, f"invalid config ({source}):", config_fields=True)) from None
 
 
 def stored_config(data: str | Mapping[str, Any], source: str) -> ReflowConfig:

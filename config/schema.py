@@ -23,12 +23,11 @@ class _Section(BaseModel):
     @classmethod
     def _no_booleans_as_numbers(cls, data: Any) -> Any:
         """``total_steps = true`` is a mistake, not 1: pydantic would take a boolean for a number."""
-        if isinstance(data, dict):
-            for name, value in data.items():
-                field = cls.model_fields.get(name)
-                if isinstance(value, bool) and field is not None and bool not in _types(field.annotation):
-                    if _types(field.annotation) & {int, float}:
-                        raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
+        for name, value in data.items() if isinstance(data, dict) else ():
+            field = cls.model_fields.get(name)
+            types = _types(field.annotation) if field is not None and isinstance(value, bool) else set()
+            if types & {int, float} and bool not in types:
+                raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
         return data
 
 
