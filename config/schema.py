@@ -298,7 +298,7 @@ class TrainConfig(_Section):
         "geometric", description="decoupled: the behaviour importance weight per token, or per sequence as "
         "verl's rollout correction offers it: 'sequence' exp(sum of the token log-ratios), 'geometric' exp(their "
         "mean) (default: reflow's median data factor against sync 1.58, per token 1.33, on the data-efficiency "
-        "seeds; docs/benchmark.md).")
+        "seeds; docs/benchmark.md, 'Data efficiency', its tables in docs/measurements.md).")
     minibatches_per_step: int = Field(
         1, ge=1, le=64, description="Optimiser steps per batch (PPO minibatches, split by tokens). Above 1 the "
         "trainer first recomputes the batch's log-probs under the step's starting weights, the proximal policy "
@@ -354,7 +354,7 @@ class BufferConfig(_Section):
     staleness_decay: float = Field(0.9, gt=0, le=1, description="Loss weight factor per version of age (async "
                                    "and reflow; with train.lr_by_weight it also scales the step: async's samples, "
                                    "about one version old, step at about 0.93 of the rate; 1.0 measured worse on "
-                                   "the data-efficiency seeds, docs/benchmark.md).")
+                                   "the data-efficiency seeds: docs/benchmark.md, 'Data efficiency').")
     select_ahead: bool = Field(True, description="reflow: choose the next batch while the trainer computes the "
                                "current one, for the version it will train at, so the trainer starts it as soon "
                                "as the weights are pushed (async, like verl's fully-async trainer, selects after "
@@ -536,7 +536,7 @@ class ReflowConfig(_Section):
     @classmethod
     def _staleness_by_mode(cls, data: Any) -> Any:
         """``buffer.max_staleness_versions`` given as a table by mode: the entry of the run's mode (a bench runs
-        every mode from one file, and the bound that measured best differs by mode: docs/benchmark.md)."""
+        every mode from one file, and the bound that measured best differs by mode: docs/benchmark.md, "Data efficiency")."""
         buffer = data.get("buffer") if isinstance(data, dict) else None
         table = buffer.get("max_staleness_versions") if isinstance(buffer, dict) else None
         if not isinstance(table, dict):
