@@ -40,7 +40,7 @@ class RunConfig(_Section):
     name: str = Field("default", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9_.-]+$",
                       description="Run name; the run directory is run.out_dir/NAME-TIMESTAMP.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for prompts, sampling and init.")
-    out_dir: str = Field("runs", description="Directory that holds run directories.")
+    out_dir: str = Field("runs", min_length=1, description="Directory that holds run directories.")
     total_steps: int = Field(100, ge=1, le=1_000_000, description="Trainer updates to run.")
     max_new_groups: int = Field(0, ge=0, le=1_000_000_000, description="End the run once this many prompt groups "
                                 "have been trained on for the first time (0: no such limit; total_steps still "
@@ -80,10 +80,10 @@ class TinyModelConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str | None = Field(None, description="A Hugging Face model directory, or a Hub id ('org/name', "
+    path: str | None = Field(None, min_length=1, description="A Hugging Face model directory, or a Hub id ('org/name', "
                              "'org/name@revision') that the local Hugging Face cache holds (nothing is downloaded). "
                              "Unset: build (or reuse from cache) the tiny warm-started policy.")
-    cache_dir: str = Field(".cache/reflow/models", description="Where built tiny models are cached, "
+    cache_dir: str = Field(".cache/reflow/models", min_length=1, description="Where built tiny models are cached, "
                                                                "keyed by a hash of their inputs.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights dtype for training and generation.")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
@@ -113,7 +113,7 @@ class EnvConfig(_Section):
                                                             "tool_calc: operands are 100..max.")
     format_reward: float = Field(0.0, ge=0, le=1, description="Reward for a well-formed answer line that is wrong.")
     eval_prompts: int = Field(128, ge=0, le=100_000, description="Held-out prompts for evaluation (0: none).")
-    data_path: str | None = Field(None, max_length=4096, description="math, code, custom: the dataset (a "
+    data_path: str | None = Field(None, min_length=1, max_length=4096, description="math, code, custom: the dataset (a "
                                   ".parquet or .jsonl file, or a directory saved by datasets' save_to_disk, whose "
                                   "'train' split a DatasetDict gives); math: verl/DAPO rows or question/answer rows; "
                                   "code: APPS rows). "
@@ -122,8 +122,8 @@ class EnvConfig(_Section):
     data_format: Literal["auto", "parquet", "jsonl", "hf_dataset"] = Field(
         "auto", description="math, code, custom: format of data_path and eval_data_path ('auto': by suffix, or "
         "'hf_dataset' for a save_to_disk directory).")
-    eval_data_path: str | None = Field(None, max_length=4096, description="math, code: a separate eval file; "
-                                       "unset: eval rows are held out of data_path (eval_holdout_share).")
+    eval_data_path: str | None = Field(None, min_length=1, max_length=4096, description="math, code: a separate "
+                                       "eval file; unset: eval rows are held out of data_path (eval_holdout_share).")
     eval_holdout_share: float = Field(0.05, ge=0, le=0.5, description="math, code: share of data_path rows held "
                                       "out for eval (chosen by a hash of the row's content, seed-independent) "
                                       "when eval_data_path is unset.")
@@ -376,8 +376,8 @@ class ConcurrencyConfig(_Section):
 
 
 class ResourcesConfig(_Section):
-    ray_address: str | None = Field(None, description="Ray cluster address; unset: RAY_ADDRESS if set, else a "
-                                    "local Ray of the run's own (even where a ray start cluster runs).")
+    ray_address: str | None = Field(None, min_length=1, description="Ray cluster address; unset: RAY_ADDRESS if "
+                                    "set, else a local Ray of the run's own (even where a ray start cluster runs).")
     num_cpus: int | None = Field(None, ge=1, le=100_000, description="CPUs for a local Ray (unset: all).")
     engine_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per engine actor.")
     trainer_cpus: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per trainer actor.")
@@ -465,13 +465,13 @@ class PoolConfig(_Section):
 
 
 class TrackingConfig(_Section):
-    tracking_uri: str | None = Field(None, description="MLflow tracking URI; unset uses a local sqlite "
+    tracking_uri: str | None = Field(None, min_length=1, description="MLflow tracking URI; unset uses a local sqlite "
                                                        "store under out_dir.")
     experiment: str = Field("reflow", min_length=1, description="MLflow experiment name.")
 
 
 class StorageConfig(_Section):
-    root: str | None = Field(None, description="Where the Delta tables live (local path or s3://, gs://, "
+    root: str | None = Field(None, min_length=1, description="Where the Delta tables live (local path or s3://, gs://, "
                                                "az:// URI); unset: the run directory's tables/ folder.")
 
 
@@ -536,7 +536,8 @@ class ReflowConfig(_Section):
     @classmethod
     def _staleness_by_mode(cls, data: Any) -> Any:
         """``buffer.max_staleness_versions`` given as a table by mode: the entry of the run's mode (a bench runs
-        every mode from one file, and the bound that measured best differs by mode: docs/benchmark.md, "Data efficiency")."""
+        every mode from one file, and the bound that measured best differs by mode: docs/benchmark.md, "Data
+        efficiency")."""
         buffer = data.get("buffer") if isinstance(data, dict) else None
         table = buffer.get("max_staleness_versions") if isinstance(buffer, dict) else None
         if not isinstance(table, dict):

@@ -244,3 +244,12 @@ def test_a_boolean_is_not_taken_for_a_number() -> None:
         with pytest.raises(ConfigError, match=f"{field}: expected a number, got"):
             load_config(None, [item])
     assert load_config(None, ["rollout.enforce_eager=false"]).rollout.enforce_eager is False
+
+
+@pytest.mark.parametrize("field", ["run.out_dir", "model.path", "model.cache_dir", "env.data_path",
+                                   "env.eval_data_path", "resources.ray_address", "tracking.tracking_uri",
+                                   "storage.root"])
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(field: str) -> None:
+    """``--set run.out_dir=`` (a variable that expanded to nothing) would write runs into the working directory."""
+    with pytest.raises(ConfigError, match=f"{field}: String should have at least 1 character"):
+        load_config(None, [f'{field}=""'])
