@@ -110,15 +110,21 @@ class PendingRequests:
         self.requests: dict[str, Any] = {}
         self.incarnation: str = ray.get(engine.incarnation.remote())
         self.reissued = 0
+        # The engine's next window starts by giving back what it holds (a flex worker moving to training). Holding
+        # nothing, with nothing on its way, it has nothing to give back: the ask lapses, or it would take the first
+        # requests of the worker's next turn at generation away before it generated a token of them.
+        self.release = False
 
     def submit(self, requests: Sequence[Any]) -> None:
         self.requests.update((r.request_id, r) for r in requests)
         self.engine.submit.remote(list(requests))
 
     def drained(self, drain: Any) -> Any:
-        """Forget what ``drain`` finished; re-submit the rest if a restarted engine answered."""
-        for res in drain.results:
+        """Forget what ``drain`` finished or gave back; re-submit the rest if a restarted engine answered."""
+        for res in (*drain.results, *drain.released):
             self.requests.pop(res.request_id, None)
+        if not self.requests:
+            self.release = False
         if drain.incarnation and drain.incarnation != self.incarnation:
             self.incarnation = drain.incarnation
             self.reissued += len(self.requests)
@@ -166,7 +172,6 @@ class RayFeeder:
         self.pending = [PendingRequests(e) for e in self.engines]
         self._drains: dict[Any, int] = {}  # drain in progress -> engine index
         self._window_s = 0.25
-        self._release: set[int] = set()  # engines whose next window starts by giving back their requests
 
     def submit(self, groups: Sequence[int], engine: int = 0) -> None:
         mark_origin(self.run_dir, self.ctx.clock.now())
@@ -203,7 +208,6 @@ class RayFeeder:
             pending.drained(drain)
             if drain.in_flight and self.keep_going():  # the next window first, then the bookkeeping
                 self._drains[self._drain(i)] = i
-            pending.forget([r.request_id for r in drain.released])
             finished += items
             released += gave_back
             busy[i] = drain.seconds
@@ -214,8 +218,7 @@ class RayFeeder:
 
     def _drain(self, i: int) -> Any:
         """Start engine ``i``'s next window (giving back its requests first when ``release`` asked it to)."""
-        release = i in self._release
-        self._release.discard(i)
+        release, self.pending[i].release = self.pending[i].release, False
         return self.engines[i].drain.remote(self._window_s, release=release)
 
     def _resumed(self, i: int, partial: GenResult) -> GenRequest:
@@ -223,7 +226,7 @@ class RayFeeder:
         return self.pending[i].requests[partial.request_id].resumed(partial)
 
     def release(self, engine: int) -> None:
-        self._release.add(engine)
+        self.pending[engine].release = True
 
     def resubmit(self, requests: Sequence[Any], engine: int) -> None:
         self.pending[engine].submit(requests)
