@@ -56,10 +56,12 @@ def test_a_flex_worker_switches_both_ways_and_loses_nothing(tmp_path: Path, refl
     # the flex worker computed a share of some steps (samples with a gradient) and generated in others
     assert any(m["helpers"] == 1 and m["helper_samples"] > 0 for m in steps), steps
     assert any(m["helpers"] == 0 for m in steps)
-    # pool.in_flight = "move": what the worker held as it moved to training was resumed on the engine
-    # (none where the worker held nothing when it switched: a run of the async case here moved none at any of its
-    # switches, the reflow case some; the move itself, given back and resumed by prefill elsewhere, is tested in
-    # tests/control/test_loops.py, and the lines below check that nothing was lost or doubled)
+    # pool.in_flight = "move": what the worker held as it moved to training is resumed on the engine. The
+    # transformers engine samples a whole batch in one call, so it holds nothing partial, only requests queued
+    # past its batch, and both cases here have moved none at any switch (2026-12-07; before the fix of a release
+    # that outlived the switch, the worker gave back 8 fresh requests at each return to generation, counted here).
+    # The move itself is tested in tests/control/test_loops.py (dealt and resumed elsewhere) and, aborted and resumed
+    # by prefill on vLLM, in tests/policies/test_engines.py; the lines below check that nothing was lost or doubled
     moved = [m["requests_moved"] for m in steps]
     print("requests moved:", moved[-1])
     assert moved == sorted(moved), moved  # a running count
