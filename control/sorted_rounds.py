@@ -120,6 +120,7 @@ class RoundGoal:
         self.pinned = {g for g in pinned if self.missing.get(g, 0) > 0}
         self.early_stop, self.round_tokens, self.prefix = early_stop, round_tokens, prefix
         self.generated = 0  # tokens of finished samples sampled in this round
+        self._prefix_by_group: dict[int, dict[str, int]] | None = None  # ``prefix`` by stream position (``share``)
 
     def observe(self, result: GenResult) -> None:
         g = SampleId.parse(result.request_id).stream_position
@@ -146,12 +147,16 @@ class RoundGoal:
         parts' completions add up to at least what was missing), so the
         round ends when the slowest engine meets its part.
         """
-        missing = {g: m for g, m in self.missing.items() if g in groups}
+        missing = {g: self.missing[g] for g in groups if g in self.missing}
         needed = math.ceil(max(0, self.groups_needed - self.complete) / parts)
+        if self._prefix_by_group is None:  # parsed once for every part (a pool of 96 engines asks 96 times)
+            self._prefix_by_group = {}
+            for rid, n in self.prefix.items():
+                self._prefix_by_group.setdefault(SampleId.parse(rid).stream_position, {})[rid] = n
+        prefix = {rid: n for g in groups for rid, n in self._prefix_by_group.get(g, {}).items()}
         part = RoundGoal(missing, complete=0, groups_needed=needed, pinned=self.pinned & groups,
                          early_stop=self.early_stop, round_tokens=math.ceil(self.round_tokens / parts),
-                         prefix={rid: n for rid, n in self.prefix.items()
-                                 if SampleId.parse(rid).stream_position in groups}, park=self.park)
+                         prefix=prefix, park=self.park)
         if self.early_stop == "tokens" and self.complete:
             part.complete = 1  # one complete group is all the tokens rule asks for, and the round has one
         return part
@@ -194,9 +199,11 @@ class PooledRoundEngine:
     def run_round(self, queue: Sequence[GenRequest], goal: RoundGoal) -> RoundRun:
         n = len(self.engines)
         queues: list[list[GenRequest]] = [[] for _ in range(n)]
+        groups: list[set[int]] = [set() for _ in range(n)]
         for request in queue:
-            queues[SampleId.parse(request.request_id).stream_position % n].append(request)
-        groups = [{SampleId.parse(r.request_id).stream_position for r in q} for q in queues]
+            g = SampleId.parse(request.request_id).stream_position
+            queues[g % n].append(request)
+            groups[g % n].add(g)
         parts = [(engine, q, goal.share(g, n)) for engine, q, g in zip(self.engines, queues, groups) if q]
         runs = self.gather(parts)
         started: list[str] = []
