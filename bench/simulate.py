@@ -39,6 +39,7 @@ import json
 import math
 import statistics
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -402,9 +403,18 @@ class _RoundOnEngine:
 
 
 def _result(g: int, k: int, length: int, first: int, version: int, reason: str) -> GenResult:
-    """A modelled response as the engine returns it: ``length`` tokens, the first sampled at ``first``."""
-    return GenResult(SampleId(stream_tag(g), f"p{g}", k).request_id, [0] * length, [0.0] * length, reason,
-                     [first] + [version] * (length - 1) if length else [], first)
+    """A modelled response as the engine returns it: ``length`` tokens, the first sampled at ``first``.
+
+    Its per-token fields are arrays, not lists: a round at 128 GPUs holds tens of thousands of responses of
+    thousands of tokens, and the cycle collector scans every item of a list, never an array's; 4 bytes an item
+    where a list's pointer takes 8 (the control plane reads them as sequences: their lengths, the first version,
+    the oldest).
+    """
+    versions = array("i", [version]) * length
+    if length:
+        versions[0] = first
+    return GenResult(SampleId(stream_tag(g), f"p{g}", k).request_id, array("i", bytes(4 * length)),
+                     array("f", bytes(4 * length)), reason, versions, first)
 
 
 def loss_tokens(sample: SimSample) -> int:
