@@ -38,11 +38,13 @@ from __future__ import annotations
 import json
 import statistics
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reflow.config.load import load_config
+from pydantic import TypeAdapter, ValidationError
+
+from reflow.config.load import format_errors, load_config
 from reflow.infra.run import read_steps
 from reflow.storage.metrics import StepRecord, eval_points
 
@@ -87,6 +89,9 @@ class ModeResult:
         if self.samples_to_target is None or not self.time_to_target_s:
             return None
         return self.samples_to_target / self.time_to_target_s
+
+
+_RESULT = TypeAdapter(ModeResult)
 
 
 def _mean(steps: list[StepRecord], key: str) -> float:
@@ -409,14 +414,22 @@ def load_results(path: Path) -> list[ModeResult]:
     """The runs of a ``bench.json`` (``path``: the file or its directory), as written by ``write_json``."""
     path = path / "bench.json" if path.is_dir() else path
     try:
-        runs = json.loads(path.read_text())["runs"]
-        if not isinstance(runs, list) or not all(isinstance(run, dict) for run in runs):
-            raise ValueError("'runs' is not a list of run objects")
-        names = {f.name for f in fields(ModeResult)}
-        return [ModeResult(**{k: ([tuple(p) for p in v] if k in ("eval_curve", "data_curve") else v)
-                              for k, v in run.items() if k in names}) for run in runs]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a bench.json written by reflow bench ({exc})") from exc
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, list) or not all(isinstance(run, dict) for run in runs):
+        raise ValueError(f"{path}: not a bench.json written by reflow bench (no 'runs' list of run objects)")
+    out = []
+    for i, run in enumerate(runs):
+        try:
+            result = _RESULT.validate_python(run)  # each field's type, as ``write_json`` writes it
+        except ValidationError as exc:
+            raise ValueError(format_errors(exc, f"{path}: runs[{i}] is not a run reflow bench wrote")) from None
+        if result.mode not in ROWS:
+            raise ValueError(f"{path}: runs[{i}].mode {result.mode!r} is not a bench mode ({', '.join(ROWS)})")
+        out.append(result)
+    return out
 
 
 def load_meta(path: Path) -> dict[str, Any]:
@@ -452,10 +465,21 @@ def row_overrides(config: str | None, overrides: list[str], mode: str, seed: int
             f"run.name={json.dumps(f'bench-{mode}-s{seed}')}"]
 
 
+# The fields ``row_overrides`` sets for every row, after the user's overrides: a ``--set`` of one would be lost.
+ROW_FIELDS = {"mode.kind": "choose the rows with --modes", "rollout.scheduling": "choose the rows with --modes",
+              "run.seed": "give the seeds with --seeds", "run.name": "each row's run is named bench-MODE-sSEED",
+              "eval.deferred": "the bench always defers evaluation (off the training clock)"}
+
+
 def check_rows(config: str | None, overrides: list[str], modes: list[str], seeds: list[int], out: Path,
                equal_steps: bool) -> None:
-    """Before any row runs: ValueError naming the first mode and seed whose config is not valid (a mode's own
-    checks: SortedRL rounds with tool calls, say) or whose run directory under ``out`` already holds a run."""
+    """Before any row runs: ValueError naming an override the rows would replace (``ROW_FIELDS``), or the first
+    mode and seed whose config is not valid (a mode's own checks: SortedRL rounds with tool calls, say) or whose
+    run directory under ``out`` already holds a run."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key in ROW_FIELDS:
+            raise ValueError(f"--set {key}: the bench sets it for each row; {ROW_FIELDS[key]}")
     for seed in seeds:
         for mode in modes:
             try:

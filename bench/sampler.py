@@ -167,8 +167,8 @@ def _append(store: DeltaTrajectoryStore, name: str, data: pa.Table) -> None:
 
 def check_root(root: str | Path, rebuild: bool) -> None:
     """ValueError unless ``root`` is absent, empty, or a root this bench built: its marker, ``trajectories`` and
-    ``usage`` and nothing else (``rebuild`` deletes it, so a folder of the user's, or a run's tables, is refused;
-    without ``rebuild`` the bench would append synthetic rows to the tables it finds)."""
+    ``usage`` and nothing else (``rebuild`` deletes it, and without ``rebuild`` the bench appends synthetic rows
+    to the tables it finds, so a folder of the user's, or a run's tables, is refused)."""
     path = Path(root)
     if not path.exists():
         return
@@ -181,9 +181,10 @@ def check_root(root: str | Path, rebuild: bool) -> None:
     if other:
         raise ValueError(f"--root: {str(path)!r} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, "
                          "not only the bench's tables; choose an empty or new directory")
-    if rebuild and MARKER not in names:
-        raise ValueError(f"--root: {str(path)!r} has no {MARKER} (not built by this bench), so --rebuild will not "
-                         "delete it; delete it yourself or choose a new directory")
+    if MARKER not in names:  # tables of a run, or of the user's: neither appended to nor deleted
+        raise ValueError(f"--root: {str(path)!r} has no {MARKER} (not built by this bench), so the bench will "
+                         f"neither {'delete it' if rebuild else 'add its rows to it'}; choose an empty or new "
+                         "directory")
 
 
 def bench_sampler(rows: int, root: str, rows_per_version: int = 4000, queries: int = 50, samples_per_prompt: int = 8,

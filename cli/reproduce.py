@@ -95,6 +95,9 @@ def open_client(tracking_uri: str):
         if not db.is_file():
             raise ReproduceError(f"no MLflow store at {db}: pass --runs DIR (the folder the run was written "
                                  "under) or --tracking-uri URI")
+        with open(db, "rb") as f:  # MLflow would write its schema into an empty file, and fail deep in a bad one
+            if f.read(16) != b"SQLite format 3\x00":
+                raise ReproduceError(f"{db} is not an MLflow store (not an SQLite database)")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow import MlflowClient  # about 2.5 s: only when a command reads MLflow
     from mlflow.exceptions import MlflowException

@@ -63,9 +63,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         bad = [m for m in modes if m not in SIMULATED]
         if not modes or bad:
             raise InputError(f"--modes: unknown or not simulated {bad or modes}; choose from {', '.join(SIMULATED)}")
+        if len(set(modes)) < len(modes):
+            raise InputError(f"--modes: each mode once, got {args.modes!r}")
         seeds = int_list(args.seeds or "0", "--seeds")
-        if not seeds:
-            raise InputError("--seeds: give at least one seed")
+        if not seeds or min(seeds) < 0 or len(set(seeds)) < len(seeds):  # a seed twice is the same run twice
+            raise InputError(f"--seeds: give one or more different seeds >= 0, got {args.seeds!r}")
         config, overrides, equal_steps, text = args.config, args.overrides, args.equal_steps, None
         pairs = [(m, s) for s in seeds for m in modes]
     from reflow.bench.simulate import mode_config

@@ -17,11 +17,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
     run_dir = find_run(args.run, args.runs)
     try:
         cfg = stored_config((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
-        record = run_dir / "run.json"
+    except ValueError as exc:
+        raise InputError(f"{run_dir / 'config.json'}: unreadable: {exc}") from None
+    record = run_dir / "run.json"
+    try:
         # killed during start-up: no record yet, and the run id is the directory's name (``new_run_id``)
         data = json.loads(record.read_text()) if record.is_file() else {"run_id": run_dir.name}
     except ValueError as exc:
-        raise InputError(f"{run_dir}: unreadable config.json or run.json: {exc}") from None
+        raise InputError(f"{record}: unreadable: {exc}") from None
     run_id = data.get("run_id") if isinstance(data, dict) else None
     if not isinstance(run_id, str) or not run_id:
         raise InputError(f"{record}: not a reflow run record (expected an object with a run_id)")

@@ -15,9 +15,9 @@ import functools
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from reflow.config.load import InputError, config_to_json, stored_config
+from reflow.config.load import InputError, config_to_json, format_errors, stored_config
 from reflow.config.schema import ReflowConfig
 from reflow.storage.metrics import StepRecord
 
@@ -67,6 +67,13 @@ def find_finished_run(run: str, runs: str | None) -> Path:
     if not (run_dir / "final_model" / "config.json").is_file() or not (run_dir / "run.json").is_file():
         raise InputError(f"{run_dir} has no final model (final_model/config.json): the run did not finish; "
                          "`reflow resume` it first")
+    for name, read in (("run.json", load_record), ("config.json", load_config_of)):
+        try:
+            read(str(run_dir))
+        except ValidationError as exc:
+            raise InputError(format_errors(exc, f"{run_dir / name}: not a reflow run record")) from None
+        except (OSError, ValueError) as exc:  # unreadable, not JSON, or a config this code refuses
+            raise InputError(f"{run_dir / name}: {exc}") from None
     return run_dir
 
 

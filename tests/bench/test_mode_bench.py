@@ -11,6 +11,8 @@ from reflow.bench import mode_bench
 from reflow.infra.run import append_step
 from reflow.storage.metrics import StepRecord
 
+FIXTURE_BENCH = Path(__file__).resolve().parents[1] / "fixtures" / "sim" / "bench.json"
+
 
 def test_time_to_target_interpolates_between_eval_points() -> None:
     curve = [(0.0, 0.2), (10.0, 0.3), (20.0, 0.5)]
@@ -160,6 +162,10 @@ def test_a_rows_overrides_are_the_ones_its_run_and_the_up_front_check_read(tmp_p
     (tmp_path / "runs" / "reflow-s1" / "r").mkdir()
     with pytest.raises(ValueError, match="reflow-s1"):
         mode_bench.check_rows(None, [], ["sync", "reflow"], [1], tmp_path, False)
+    for key in mode_bench.ROW_FIELDS:  # a row sets these after the user's --set: refused, not silently replaced
+        with pytest.raises(ValueError, match=f"--set {key}: the bench sets it for each row"):
+            mode_bench.check_rows(None, [f"{key} = 1"], ["sync"], [2], tmp_path, False)
+        assert key in " ".join(mode_bench.row_overrides(None, [], "sorted_partial", 2, equal_steps=True))
 
 
 def test_load_meta_and_results_name_a_bench_json_that_is_not_one(tmp_path: Path) -> None:
@@ -170,6 +176,16 @@ def test_load_meta_and_results_name_a_bench_json_that_is_not_one(tmp_path: Path)
             mode_bench.load_meta(tmp_path)
     (tmp_path / "bench.json").write_text(json.dumps({"runs": ["x"]}))
     with pytest.raises(ValueError, match="runs"):
+        mode_bench.load_results(tmp_path)
+    good = json.loads(FIXTURE_BENCH.read_text())["runs"][0]
+    for field, value, said in (("final_accuracy", None, "final_accuracy: Input should be a valid number"),
+                               ("wall_s", "abc", "wall_s"), ("eval_curve", "abc", "eval_curve"),
+                               ("mode", "bogus", "'bogus' is not a bench mode")):
+        (tmp_path / "bench.json").write_text(json.dumps({"runs": [good, {**good, field: value}]}))
+        with pytest.raises(ValueError, match=rf"(?s)runs\[1\].*{said}"):
+            mode_bench.load_results(tmp_path)
+    (tmp_path / "bench.json").write_text(json.dumps({"runs": [{k: v for k, v in good.items() if k != "seed"}]}))
+    with pytest.raises(ValueError, match="seed: Field required"):
         mode_bench.load_results(tmp_path)
 
 

@@ -99,20 +99,22 @@ def test_every_output_is_checked_before_the_work(tmp_path: Path, capsys, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_engine.json", "f"]  # no buf built
 
 
-def test_rebuild_deletes_only_a_root_the_bench_built(tmp_path: Path, capsys) -> None:
+def test_the_sampler_bench_uses_and_deletes_only_a_root_it_built(tmp_path: Path, capsys) -> None:
     mine = tmp_path / "mine"
     (mine / "trajectories").mkdir(parents=True)
     (mine / "notes.txt").write_text("keep")
     for rebuild in ([], ["--rebuild"]):
         _refused(["bench-sampler", "--root", str(mine), *rebuild], capsys, "--root", "notes.txt")
     assert (mine / "notes.txt").read_text() == "keep" and (mine / "trajectories").is_dir()
-    unmarked = tmp_path / "tables"  # a run's tables, say: reused as they are, never deleted
+    unmarked = tmp_path / "tables"  # a run's tables, say: neither deleted nor given the bench's rows
     (unmarked / "trajectories").mkdir(parents=True)
     (unmarked / "usage").mkdir()
-    _refused(["bench-sampler", "--root", str(unmarked), "--rebuild"], capsys, "--root", MARKER)
-    assert (unmarked / "usage").is_dir()
-    check_root(unmarked, rebuild=False)
+    for rebuild in ([], ["--rebuild"]):
+        _refused(["bench-sampler", "--root", str(unmarked), *rebuild], capsys, "--root", MARKER)
+    assert sorted(p.name for p in unmarked.iterdir()) == ["trajectories", "usage"]
+    assert not any((unmarked / "usage").iterdir())
     (unmarked / MARKER).write_text("")
+    check_root(unmarked, rebuild=False)
     check_root(unmarked, rebuild=True)
     check_root(tmp_path / "new", rebuild=True)
     (tmp_path / "empty").mkdir()
@@ -125,6 +127,10 @@ def test_bench_checks_every_mode_and_seed_before_any_runs(tmp_path: Path, capsys
     _refused(["bench", "-o", "b", "--seeds", "0,-1"], capsys, "--seeds")
     _refused(["bench", "-o", "b", "--seeds", "1,1"], capsys, "--seeds")
     _refused(["bench", "-o", "b", "--modes", "sync,sync"], capsys, "--modes")
+    for seeds in ("0,0", "-1"):
+        _refused(["simulate", "-o", "s", "--modes", "sync", "--seeds", seeds], capsys, "--seeds")
+    _refused(["simulate", "-o", "s", "--modes", "sync,sync"], capsys, "--modes")
+    _refused(["bench", "-o", "b", "--set", "run.seed=3"], capsys, "--set run.seed", "--seeds")
     assert not any(tmp_path.iterdir())
     (tmp_path / "b" / "runs" / "async-s1").mkdir(parents=True)
     (tmp_path / "b" / "runs" / "async-s1" / "x").write_text("a run")

@@ -304,6 +304,12 @@ def test_evaluate_needs_a_finished_run(tmp_path: Path) -> None:
     (run / "config.json").write_text("{}")
     proc = _reflow("evaluate", "r1", "--runs", str(tmp_path / "runs"), cwd=tmp_path)
     assert proc.returncode == 2 and "has no final model" in proc.stderr and "Traceback" not in proc.stderr
+    (run / "final_model").mkdir()
+    (run / "final_model" / "config.json").write_text("{}")
+    (run / "run.json").write_text('{"run_id": "r1"}')  # a record without the rest of its fields
+    proc = _reflow("evaluate", "r1", "--runs", str(tmp_path / "runs"), cwd=tmp_path)
+    assert proc.returncode == 2 and "run.json: not a reflow run record" in proc.stderr, proc.stderr
+    assert "store_root: Field required" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_one_grammar_and_its_reference(tmp_path: Path) -> None:

@@ -101,12 +101,17 @@ def test_reproduce_bad_input_exits_2_and_starts_nothing(recorded: dict, tmp_path
         ([recorded["run_id"], "--runs", str(out), "--tracking-uri", "sqlite:///x.db"], "not both"),
         ([recorded["run_id"], "--runs", str(out), "--tolerance", "-1"], "--tolerance"),
     ]
+    for name, content in (("empty", b""), ("text", b"not sqlite")):  # MLflow would write into the empty one
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mlflow.db").write_bytes(content)
+        cases.append(([recorded["run_id"], "--runs", str(tmp_path / name)], "is not an MLflow store"))
     before = _listing(out)
     for args, message in cases:
         code = cli.main(["reproduce", *args])
         err = capsys.readouterr().err
         assert code == 2 and message in err, (args, err)
     assert not (tmp_path / "elsewhere").exists()
+    assert [(tmp_path / n / "mlflow.db").read_bytes() for n in ("empty", "text")] == [b"", b"not sqlite"]
     assert _listing(out) == before  # no new run directory, nothing rewritten
 
     # a corrupt checkpoint (one byte changed, same size), then a missing one; the run dir works as the argument
