@@ -237,6 +237,8 @@ class SimProfile(BaseModel):
 def load_profile(path: str | Path) -> SimProfile:
     """A profile from a JSON or TOML file; ValueError naming the file and the field if it is not one."""
     path = Path(path)
+    if path.suffix not in (".toml", ".json"):  # the suffix says which parser reads it
+        raise ValueError(f"profile {path}: expected a .toml or .json file")
     try:
         text = path.read_text()
     except OSError as exc:

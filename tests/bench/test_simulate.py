@@ -336,6 +336,10 @@ def test_cli_refuses_bad_input_with_a_message(tmp_path, capsys) -> None:
     bad.write_text('name = "x"\n[engine]\nsource = "s"\nstep_base_s = -1\n')
     assert main(["simulate", "--profile", str(bad), "--output", out]) == 2
     assert "p.toml" in capsys.readouterr().err
+    yaml = tmp_path / "p.yaml"
+    yaml.write_text(bad.read_text())
+    assert main(["simulate", "--profile", str(yaml), "--output", out]) == 2
+    assert "p.yaml: expected a .toml or .json file" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
