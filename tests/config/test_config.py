@@ -173,6 +173,15 @@ def test_cross_field_errors_have_no_root_label() -> None:
     assert "<root>" not in str(err.value) and "exceeds model.tiny.max_position_embeddings" in str(err.value)
 
 
+def test_a_number_given_for_a_string_says_how_to_quote_it() -> None:
+    from reflow.config.load import ConfigError, load_config
+
+    for raw, quoted in (("1", '"1"'), ("true", '"true"')):
+        with pytest.raises(ConfigError, match=f"run.name: Input should be a valid string .*is quoted: {quoted}"):
+            load_config(None, [f"run.name={raw}"])
+    assert load_config(None, ['run.name="1"']).run.name == "1"
+
+
 def test_a_staleness_bound_by_mode_gives_each_mode_its_entry() -> None:
     table = "buffer.max_staleness_versions={sync = 8, one_step_off = 7, async = 4, reflow = 6}"
     bounds = {mode: load_config(None, [table, f'mode.kind="{mode}"']).buffer.max_staleness_versions
