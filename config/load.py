@@ -70,8 +70,8 @@ def format_errors(err: ValidationError, heading: str, config_fields: bool = Fals
                 "unknown field (check the spelling; every field: docs/configuration.md or `reflow config`)")
         given = item.get("input")
         shown = "" if isinstance(given, dict) or item["type"] == "missing" else f" (got {given!r})"
-        if item["type"] == "string_type" and isinstance(given, int | float | bool):  # `--set run.name=1` is a number
-            shown += f"; a string is quoted: \"{json.dumps(given)}\"" if config_fields else ""
+        if config_fields and item["type"] == "string_type" and isinstance(given, int | float | bool):
+            shown += f"; a string is quoted: \"{json.dumps(given)}\""  # `--set run.name=1` reads a number
         lines.append(f"  {path}: {msg}{shown}" if path else f"  {msg}")  # a cross-field check names its fields
     return "\n".join(lines)
 
