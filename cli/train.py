@@ -11,6 +11,7 @@ from reflow.config.load import InputError, config_to_json, load_config, stored_c
 from reflow.config.reference import reference_markdown
 from reflow.config.schema import ReflowConfig
 from reflow.infra.run import find_finished_run, find_run, new_run_id
+from reflow.infra.runlock import describe_writers, live_writers
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -28,6 +29,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
     run_id = data.get("run_id") if isinstance(data, dict) else None
     if not isinstance(run_id, str) or not run_id:
         raise InputError(f"{record}: not a reflow run record (expected an object with a run_id)")
+    writers = live_writers(run_dir, None)  # the run's own lock (other runs may share a store root)
+    if writers:
+        raise InputError(f"{run_dir} is still running; wait for it to finish, or stop it first (a lock that "
+                         "names a process that is not this run can be deleted):\n" + describe_writers(writers))
     # the checks of a new run: the model, reward function and dataset it names may have gone since, and a
     # resumed run writes checkpoints, tables and MLflow records as a new one does
     preflight(cfg)

@@ -73,7 +73,13 @@ class WriterLock:
             tmp.replace(path)
 
     def acquire(self) -> "WriterLock":
-        """Write the lock files and start the heartbeat."""
+        """Write the lock files and start the heartbeat; LiveWriterError, writing nothing, if another live
+        process holds one of them (a run resumed while it still runs: two writers of one run's tables)."""
+        me = (socket.gethostname(), os.getpid())
+        held = [i for i in map(read_lock, self.paths) if i is not None and (i.host, i.pid) != me and is_live(i)]
+        if held:
+            raise LiveWriterError(f"run {self.run_id} is still running; wait for it to finish, or stop it "
+                                  "first:\n" + describe_writers(held))
         self._write()
         self._thread = threading.Thread(target=self._beat, name="writer-lock-heartbeat", daemon=True)
         self._thread.start()
@@ -143,7 +149,8 @@ def live_writers(run_dir: str | Path | None, store_root: str | None) -> list[Wri
 
 
 class LiveWriterError(RuntimeError):
-    """A run is writing to the tables; maintenance refuses to vacuum under it."""
+    """A run is writing to the tables: maintenance refuses to vacuum under it, and a second writer of the same
+    run (``WriterLock.acquire``) to start."""
 
 
 def describe_writers(writers: list[WriterInfo]) -> str:

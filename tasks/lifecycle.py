@@ -67,7 +67,7 @@ def prepare(cfg: ReflowConfig, run_dir: str, run_id: str, resume: bool = False) 
     previous = load_record(run_dir) if resume and (Path(run_dir) / "run.json").is_file() else None
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     store_root = cfg.storage.root or str(Path(run_dir).resolve() / "tables")
-    # A killed attempt's lock is stale (its pid is dead) and is taken over; a live writer is refused.
+    # A killed attempt's lock is stale (its pid is dead) and is taken over; a live writer is refused (acquire).
     _LOCKS[run_dir] = WriterLock(lock_paths(run_dir, store_root, run_id), run_id).acquire()
     if previous is None:
         write_config(run_dir, cfg)

@@ -11,7 +11,18 @@ import sys
 import time
 from pathlib import Path
 
-from reflow.infra.runlock import LOCK_NAME, WRITERS_DIR, WriterInfo, WriterLock, is_live, live_writers, lock_paths
+import pytest
+
+from reflow.infra.runlock import (
+    LOCK_NAME,
+    WRITERS_DIR,
+    LiveWriterError,
+    WriterInfo,
+    WriterLock,
+    is_live,
+    live_writers,
+    lock_paths,
+)
 
 
 def test_lock_paths_cover_the_run_dir_and_a_local_store_root(tmp_path: Path) -> None:
@@ -50,6 +61,36 @@ def test_lock_of_a_killed_process_is_not_live(tmp_path: Path) -> None:
         proc.wait()
     assert (tmp_path / LOCK_NAME).exists()  # left behind by the killed process
     assert live_writers(tmp_path, None) == []
+
+
+def test_a_live_writer_is_refused_and_its_lock_left_alone(tmp_path: Path, capsys) -> None:
+    """A run resumed while it still runs: the second writer is refused, the first keeps its lock; once that
+    process is gone, its stale lock is taken over."""
+    from reflow.cli.main import main
+
+    run = tmp_path / "runs" / "r3"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "run.json").write_text(json.dumps({"run_id": "r3"}))
+    code = ("import sys, time; from pathlib import Path; from reflow.infra.runlock import WriterLock; "
+            f"WriterLock([Path({str(run / LOCK_NAME)!r})], 'r3').acquire(); print('ok', flush=True); "
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ok"
+        held = (run / LOCK_NAME).read_text()
+        with pytest.raises(LiveWriterError, match=rf"(?s)run r3 is still running.*pid {proc.pid}"):
+            WriterLock([tmp_path / "store.lock", run / LOCK_NAME], "r3").acquire()
+        assert (run / LOCK_NAME).read_text() == held and not (tmp_path / "store.lock").exists()
+        assert main(["resume", "r3", "--runs", str(tmp_path / "runs")]) == 2  # before Ray, Prefect or a worker
+        assert "is still running; wait for it to finish, or stop it first" in (err := capsys.readouterr().err)
+        assert f"\n  run r3 (pid {proc.pid}" in err
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    lock = WriterLock([run / LOCK_NAME], "r3").acquire()
+    lock.release()
+    assert not (run / LOCK_NAME).exists()
 
 
 def test_other_host_lock_is_live_while_its_heartbeat_is_fresh() -> None:
