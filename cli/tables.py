@@ -27,6 +27,7 @@ from reflow.storage.store import TABLE_SPECS, StorageError
 
 OUTPUT_FORMATS = (".csv", ".parquet", ".jsonl")
 _CELL_CHARS = 40
+MAX_RETENTION_HOURS = 1_000_000  # delta-rs takes hours as a duration that overflows past about 2.5e12
 # What a query may start with: DataFusion runs any statement, and COPY ... TO, CREATE ... and EXPLAIN ANALYZE
 # COPY write files or change the session, which a read-only command must not.
 _READ_ONLY_START = re.compile(r"(SELECT|WITH|VALUES)\b|\(", re.IGNORECASE)
@@ -81,7 +82,7 @@ def _cell(value: object) -> str:
 
 def format_table(table: pa.Table, max_rows: int) -> str:
     """``table`` as aligned text (numbers right-aligned), at most ``max_rows`` rows, then a row count."""
-    shown = table.slice(0, max_rows).to_pylist()
+    shown = table.slice(0, min(max_rows, table.num_rows)).to_pylist()  # a huge --max-rows overflows Arrow
     names = table.schema.names
     cells = [[_cell(row[n]) for n in names] for row in shown]
     widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
@@ -121,6 +122,9 @@ def write_result(table: pa.Table, path: str | Path) -> Path:
         raise ValueError(f"--output {str(path)!r} is a directory")
     if not path.parent.is_dir():
         raise ValueError(f"--output {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    table_dir = next((d for d in path.resolve().parents if (d / "_delta_log").is_dir()), None)
+    if table_dir is not None:  # a file written there would replace, or be read as, part of the table
+        raise ValueError(f"--output {str(path)!r} is inside the Delta table {str(table_dir)!r}; write it elsewhere")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         if suffix == ".parquet":
@@ -173,8 +177,8 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 
 def cmd_maintain(args: argparse.Namespace) -> int:
-    if args.retention_hours is not None and args.retention_hours < 0:
-        raise InputError("--retention-hours must be >= 0")
+    if args.retention_hours is not None and not 0 <= args.retention_hours <= MAX_RETENTION_HOURS:
+        raise InputError(f"--retention-hours must be between 0 and {MAX_RETENTION_HOURS:,} (about 114 years)")
     target, store = open_target(args)  # refuses tables with another schema before anything is changed
     writers = live_writers(target.run_dir, target.store_root)
     if writers and not args.force:

@@ -160,6 +160,9 @@ def test_query_bad_input_exits_2_and_changes_nothing(run_dir: Path, tmp_path: Pa
         ([f"EXPLAIN ANALYZE COPY (SELECT 1 AS a) TO '{tmp_path / 'copy.csv'}' STORED AS CSV", str(run_dir)],
          "got 'COPY'"),
         (["CREATE TABLE t AS SELECT 1", str(run_dir)], "got 'CREATE'"),
+        (["SELECT 1 AS x", str(run_dir), "--output", str(next((tables / "usage").glob("*.parquet")))],
+         "is inside the Delta table"),  # it would replace one of the table's files
+        (["SELECT 1 AS x", str(run_dir), "--output", str(tables / "usage" / "new.csv")], "is inside the Delta table"),
     ]
     for args, message in cases:
         code, out, err = reflow(["query", *args], capsys)
@@ -173,6 +176,7 @@ def test_a_result_without_columns_prints_a_short_line(run_dir: Path, capsys) -> 
     from reflow.cli.tables import format_table
 
     assert format_table(pa.table({}), 50) == "(no columns; 0 rows)"
+    assert format_table(pa.table({"a": [1, 2]}), 2**63) == format_table(pa.table({"a": [1, 2]}), 2)  # no overflow
     code, out, _ = reflow(["query", "-- a comment\nSELECT 1 INTO t", str(run_dir)], capsys)
     assert (code, out) == (0, "(no columns; 0 rows)\n")
 
@@ -268,6 +272,7 @@ def test_maintain_bad_input_exits_2(tmp_path: Path, run_dir: Path, capsys) -> No
              (["--runs", str(tmp_path / "none")], "no runs directory"),
              (["--root", str(empty)], "no reflow tables"),
              ([str(run_dir), "--retention-hours", "-1"], "--retention-hours"),
+             ([str(run_dir), "--retention-hours", str(10**13)], "between 0 and 1,000,000"),  # delta-rs overflows
              ([str(run_dir), "--root", str(empty)], "not both")]
     for args, message in cases:
         code, _, err = reflow(["maintain", *args], capsys)
