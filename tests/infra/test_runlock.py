@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -48,17 +50,23 @@ def test_acquire_heartbeat_release(tmp_path: Path) -> None:
     assert live_writers(tmp_path, str(tmp_path / "tables")) == []
 
 
-def test_lock_of_a_killed_process_is_not_live(tmp_path: Path) -> None:
+@contextmanager
+def held_elsewhere(lock: Path, run_id: str) -> Iterator[subprocess.Popen]:
+    """Another process holding ``lock`` for ``run_id`` until the block ends, then killed (SIGKILL)."""
     code = ("import sys, time; from pathlib import Path; from reflow.infra.runlock import WriterLock; "
-            f"WriterLock([Path({str(tmp_path / LOCK_NAME)!r})], 'r2').acquire(); print('ok', flush=True); "
-            "time.sleep(60)")
+            f"WriterLock([Path({str(lock)!r})], {run_id!r}).acquire(); print('ok', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ok"
-        assert [w.pid for w in live_writers(tmp_path, None)] == [proc.pid]
+        yield proc
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def test_lock_of_a_killed_process_is_not_live(tmp_path: Path) -> None:
+    with held_elsewhere(tmp_path / LOCK_NAME, "r2") as proc:
+        assert [w.pid for w in live_writers(tmp_path, None)] == [proc.pid]
     assert (tmp_path / LOCK_NAME).exists()  # left behind by the killed process
     assert live_writers(tmp_path, None) == []
 
@@ -72,12 +80,7 @@ def test_a_live_writer_is_refused_and_its_lock_left_alone(tmp_path: Path, capsys
     run.mkdir(parents=True)
     (run / "config.json").write_text("{}")
     (run / "run.json").write_text(json.dumps({"run_id": "r3"}))
-    code = ("import sys, time; from pathlib import Path; from reflow.infra.runlock import WriterLock; "
-            f"WriterLock([Path({str(run / LOCK_NAME)!r})], 'r3').acquire(); print('ok', flush=True); "
-            "time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ok"
+    with held_elsewhere(run / LOCK_NAME, "r3") as proc:
         held = (run / LOCK_NAME).read_text()
         with pytest.raises(LiveWriterError, match=rf"(?s)run r3 is still running.*pid {proc.pid}"):
             WriterLock([tmp_path / "store.lock", run / LOCK_NAME], "r3").acquire()
@@ -85,9 +88,6 @@ def test_a_live_writer_is_refused_and_its_lock_left_alone(tmp_path: Path, capsys
         assert main(["resume", "r3", "--runs", str(tmp_path / "runs")]) == 2  # before Ray, Prefect or a worker
         assert "is still running; wait for it to finish, or stop it first" in (err := capsys.readouterr().err)
         assert f"\n  run r3 (pid {proc.pid}" in err
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
     lock = WriterLock([run / LOCK_NAME], "r3").acquire()
     lock.release()
     assert not (run / LOCK_NAME).exists()
