@@ -10,7 +10,7 @@ from reflow.cli.runtime import MIN_FREE_MIB, check_writable, prefect_api_startin
 from reflow.config.load import InputError, config_to_json, load_config, stored_config
 from reflow.config.reference import reference_markdown
 from reflow.config.schema import ReflowConfig
-from reflow.infra.run import find_finished_run, find_run, new_run_id
+from reflow.infra.run import RunOutcome, find_finished_run, find_run, new_run_id, read_finished
 from reflow.infra.runlock import describe_writers, live_writers
 
 
@@ -29,6 +29,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
     run_id = data.get("run_id") if isinstance(data, dict) else None
     if not isinstance(run_id, str) or not run_id:
         raise InputError(f"{record}: not a reflow run record (expected an object with a run_id)")
+    done = read_finished(run_dir)
+    if done is not None:
+        print(f"reflow resume {run_id}: the run finished at {done.finished_at} after {done.steps} steps; "
+              "nothing to resume", flush=True)
+        print_outcome(done)
+        return 0
     writers = live_writers(run_dir, None)  # the run's own lock (other runs may share a store root)
     if writers:
         raise InputError(f"{run_dir} is still running; wait for it to finish, or stop it first (a lock that "
@@ -47,7 +53,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_outcome(outcome) -> None:
+def print_outcome(outcome: RunOutcome) -> None:
     print(f"\nrun directory : {outcome.run_dir}\ncurves        : {outcome.curves_png}\n"
           f"final model   : {outcome.final_model}\nDelta tables  : {outcome.store_root}/trajectories, "
           f"{outcome.store_root}/usage\nMLflow run    : {outcome.mlflow_run_id}\nMLflow UI     : {outcome.tracking_ui}",

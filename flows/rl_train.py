@@ -25,9 +25,9 @@ from prefect import flow
 from reflow.config.schema import ReflowConfig
 from reflow.control.clock import SystemClock
 from reflow.control.streaming import StreamingLoops
+from reflow.infra.run import RunOutcome
 from reflow.storage.metrics import EvalStats
 from reflow.tasks.lifecycle import (
-    RunOutcome,
     Snapshot,
     StepRecorder,
     abort_generation,

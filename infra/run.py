@@ -4,8 +4,9 @@ The run directory holds ``run.json`` (this ``RunRecord``), ``config.json``
 (the resolved config), ``steps.jsonl`` (one ``StepRecord`` per step),
 ``given_up.jsonl`` (the streaming modes: the lengths of the finished
 samples of groups given up in flight), checkpoints, the final model and,
-by default, the Delta tables. Tasks receive the run directory and load
-everything else from it.
+by default, the Delta tables, and, written last once the run has
+finished, ``finished.json`` (its ``RunOutcome``). Tasks receive the run
+directory and load everything else from it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,46 @@ class RunRecord(BaseModel):
     mlflow_run_id: str | None = None
     nodes: dict[str, str] = {}  # actor name -> Ray node id it started on
     weight_bytes: int = 0  # one full copy of the policy's weights, what each weight sync moves (0: not known)
+
+
+class RunOutcome(BaseModel):
+    """Where a finished run's results are: what ``reflow run`` prints, and ``finished.json``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_dir: str
+    mlflow_run_id: str | None
+    tracking_ui: str
+    store_root: str
+    curves_png: str
+    final_model: str
+    steps: int = 0  # steps trained
+    finished_at: str = ""  # UTC, ISO 8601
+
+
+FINISHED = "finished.json"
+
+
+def write_finished(outcome: RunOutcome) -> Path:
+    """Mark the run finished: the last thing a run writes, after its final model and its MLflow run's end."""
+    path = Path(outcome.run_dir) / FINISHED
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(outcome.model_dump_json(indent=2))
+    tmp.replace(path)
+    return path
+
+
+def read_finished(run_dir: Path) -> RunOutcome | None:
+    """The outcome of a run that finished; None while it has not (or finished before this marker existed)."""
+    path = run_dir / FINISHED
+    if not path.is_file():
+        return None
+    try:
+        return RunOutcome.model_validate_json(path.read_text())
+    except ValidationError as exc:
+        raise InputError(format_errors(exc, f"{path}: not a reflow run outcome")) from None
+    except OSError as exc:
+        raise InputError(f"{path}: {exc}") from None
 
 
 def new_run_id(cfg: ReflowConfig) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import datetime as dt
 import json
 import os
 import platform
@@ -24,6 +25,7 @@ from reflow.infra import provenance
 from reflow.infra.actors import read_weights, write_weights
 from reflow.infra.placement import Placement, actor, launch_workers, start_ray, stop_workers
 from reflow.infra.run import (
+    RunOutcome,
     RunRecord,
     append_step,
     default_tracking_uri,
@@ -35,6 +37,7 @@ from reflow.infra.run import (
     read_steps,
     rewrite_steps,
     write_config,
+    write_finished,
     write_record,
 )
 from reflow.infra.runlock import WriterLock, lock_paths
@@ -340,19 +343,9 @@ def evaluate_snapshots(run_dir: str, snapshots: list[Snapshot]) -> int:
     return len(pending)
 
 
-@dataclass(frozen=True)
-class RunOutcome:
-    run_dir: str
-    mlflow_run_id: str | None
-    tracking_ui: str
-    store_root: str
-    curves_png: str
-    final_model: str
-
-
 @task(name="finalize", cache_policy=NO_CACHE)
 def finalize(run_dir: str) -> RunOutcome:
-    """Final model, curves, table versions and summary: to disk, to MLflow, to stdout."""
+    """Final model, curves, table versions and summary: to disk, to MLflow, to stdout; then ``finished.json``."""
     ctx = context(run_dir)
     tracker = _TRACKERS[run_dir]
     final_model = ray.get(actor(ctx.record.trainer, ctx.record.namespace).save_hf.remote(
@@ -374,7 +367,9 @@ def finalize(run_dir: str) -> RunOutcome:
         tracker.log_artifact(path, dest)
     tracker.end("FINISHED")
     outcome = RunOutcome(run_dir=run_dir, mlflow_run_id=ctx.record.mlflow_run_id, tracking_ui=tracker.ui_url(),
-                         store_root=ctx.record.store_root, curves_png=str(png), final_model=str(final_model))
+                         store_root=ctx.record.store_root, curves_png=str(png), final_model=str(final_model),
+                         steps=len(steps), finished_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    write_finished(outcome)  # last: `reflow resume` of this run now says it is done
     print("\n" + report.summary_table(steps), flush=True)
     return outcome
 

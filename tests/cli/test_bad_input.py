@@ -10,6 +10,7 @@ import pytest
 from reflow.cli import main as cli
 from reflow.cli.runtime import preflight
 from reflow.config.load import InputError, config_to_json, load_config
+from reflow.infra.run import FINISHED, RunOutcome, write_finished
 
 
 def _listing(root: Path) -> list[str]:
@@ -60,6 +61,25 @@ def test_resume_refuses_a_bad_record_or_what_a_new_run_would_refuse(tmp_path: Pa
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err, err
     assert _listing(tmp_path) == before
+
+
+def test_resume_of_a_finished_run_says_so_and_starts_nothing(tmp_path: Path, capsys) -> None:
+    # a model cache a new start would refuse: the finished run is recognised before anything is started
+    run_dir = _run_dir(tmp_path, ['model.cache_dir="/dev/null/models"'], '{"run_id": "r"}')
+    write_finished(RunOutcome(run_dir=str(run_dir), mlflow_run_id="m1", tracking_ui="http://ui", store_root="s",
+                              curves_png="c.png", final_model=str(run_dir / "final_model"), steps=3,
+                              finished_at="2026-01-01T00:00:00+00:00"))
+    before = _listing(tmp_path)
+    assert cli.main(["resume", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "reflow resume r: the run finished at 2026-01-01T00:00:00+00:00 after 3 steps; nothing to resume" in out
+    assert f"final model   : {run_dir / 'final_model'}" in out and "MLflow run    : m1" in out
+    assert _listing(tmp_path) == before
+
+    (run_dir / FINISHED).write_text('{"run_dir": 1}')
+    assert cli.main(["resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run_dir / FINISHED}: not a reflow run outcome" in err and "Traceback" not in err, err
 
 
 def test_model_init_under_a_file_exits_2_naming_the_field(tmp_path: Path, capsys) -> None:

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
 
+from reflow.infra.run import read_finished
 from reflow.storage.metrics import mlflow_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,6 +146,13 @@ def test_sigkill_at_random_points_then_resume(tmp_path: Path, reflow_process, mo
     assert versions == {s: float(s + 1) for s in range(TOTAL_STEPS)}, note
     assert _checkpointed(run_dir) == TOTAL_STEPS - 1
     assert (run_dir / "final_model" / "config.json").is_file()
+    assert read_finished(run_dir).steps == TOTAL_STEPS, note
+    if mode == "sync":  # a finished run is not started again
+        before = ((run_dir / "steps.jsonl").read_text(), DeltaTable(str(run_dir / "tables/usage")).version())
+        done = reflow_process(["resume", str(run_dir)], tmp_path)
+        assert done.finish() == 0, done.output()
+        assert "nothing to resume" in done.output() and "resumed from" not in done.output(), done.output()
+        assert ((run_dir / "steps.jsonl").read_text(), DeltaTable(str(run_dir / "tables/usage")).version()) == before
 
 
 @pytest.mark.slow
