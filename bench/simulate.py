@@ -60,8 +60,7 @@ from reflow.control.feeder import Drained, Finished, Released
 from reflow.control.selector import StepOutcome
 from reflow.control.sorted_rounds import PooledRoundEngine, RoundGoal, SortedScheduler
 from reflow.control.streaming import StreamingLoops
-from reflow.policies.offpolicy import replay_weight
-from reflow.storage.replay import ReplayPolicy, ReplaySelection, select_batch
+from reflow.storage.replay import ReplayPolicy, ReplaySelection, replay_weight, select_batch
 from reflow.storage.schema import GenRequest, GenResult, RoundRun, SampleId, stream_tag
 from reflow.storage.store import TRAJECTORIES, USAGE
 from reflow.storage.window import WINDOW_SCHEMAS, SelectionWindow, run_sql

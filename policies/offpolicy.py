@@ -19,7 +19,7 @@ decoupled loss treats the anchor as the latest weights (so the clip bounds the
 step from where the trainer is, however old the data), TIS treats it as the
 trainer's replica of the weights that generated the data (so the weight only
 corrects engine/trainer numerical mismatch). Down-weighting whole samples by
-reuse and age (``replay_weight``) is separate and multiplies the per-sample
+reuse and age (``storage.replay.replay_weight``, chosen when the batch is) is separate and multiplies the per-sample
 loss weight (``grpo.aggregate``'s ``sample_weight``).
 
 Shapes: ``B`` samples, ``T`` response tokens (right-padded).
@@ -33,10 +33,6 @@ from typing import Literal
 import torch
 
 from reflow.policies.grpo import clipped_surrogate
-
-# Defaults of replay_weight (reasons in its docstring).
-REUSE_DECAY = 0.5
-STALENESS_DECAY = 0.9
 
 
 def importance_log_ratio(anchor_logp: torch.Tensor, behaviour_logp: torch.Tensor,
@@ -180,46 +176,3 @@ def tis_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behaviour_logp: 
     return weight * surrogate, clip_active, weight
 
 
-def replay_weight(reuse_count: int | torch.Tensor, staleness: int | torch.Tensor,
-                  reuse_decay: float = REUSE_DECAY, staleness_decay: float = STALENESS_DECAY,
-                  ) -> float | torch.Tensor:
-    """Per-sample loss weight that shrinks with reuse and age.
-
-    ``weight = reuse_decay ** reuse_count * staleness_decay ** staleness``
-    with ``reuse_count`` the times the sample was trained on before and
-    ``staleness`` the trainer version minus the sample's (oldest) policy
-    version. Works on Python ints (``storage.replay.select_batch``'s
-    ``weight_fn``) and on (B,) tensors alike.
-
-    Defaults and why:
-
-    * ``reuse_decay = 0.5``: each replay counts half as much as the one
-      before, so a sample's total weight over all its uses is below 2
-      (``1 + 1/2 + 1/4 + ... < 2``) whatever ``max_reuse`` is: replay can
-      stretch a generation over several updates but no sample can dominate
-      the gradient the way repeated full-weight epochs do (the overfitting
-      risk of PPO epochs on the same data). AdamW ignores a loss's scale,
-      so that bound holds for the step's size only with
-      ``train.lr_by_weight`` (the default), which scales each step's
-      learning rate by its samples' mean weight.
-    * ``staleness_decay = 0.9``: mild, because the bias of old samples is
-      already corrected token by token (``decoupled_ppo_loss``); the decay
-      only curbs the variance that the importance weights add as data ages.
-      At ``max_staleness_versions = 4`` the oldest admissible sample keeps
-      ``0.9 ** 4 = 0.66`` of a fresh one's weight.
-
-    Args:
-        reuse_count: int or (B,) long, >= 0.
-        staleness: int or (B,) long, >= 0.
-        reuse_decay, staleness_decay: in (0, 1]; 1 switches that factor off.
-    Returns:
-        float, or (B,) float tensor.
-    """
-    for name, decay in (("reuse_decay", reuse_decay), ("staleness_decay", staleness_decay)):
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"{name} must be in (0, 1], got {decay}")
-    if isinstance(reuse_count, torch.Tensor) or isinstance(staleness, torch.Tensor):
-        reuse = torch.as_tensor(reuse_count, dtype=torch.float32)
-        age = torch.as_tensor(staleness, dtype=torch.float32)
-        return torch.pow(reuse_decay, reuse) * torch.pow(staleness_decay, age)
-    return float(reuse_decay**reuse_count * staleness_decay**staleness)

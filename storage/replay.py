@@ -26,7 +26,7 @@ A training batch is a set of whole GRPO groups taken from the
    rewards are all equal carry no GRPO gradient and go last) or ``signal``
    (the learning signal a replay still carries: that spread times
    the loss weight the group would get, ``reuse_decay ** reuse *
-   staleness_decay ** (tv - oldest)`` as in ``policies.offpolicy.replay_weight``,
+   staleness_decay ** (tv - oldest)`` as in ``replay_weight``,
    largest first; groups with no spread are not replayed at all, since they
    would only add tokens to the loss normaliser).
    Ties: newer, then less reused, then ``group_id``, so the order is total.
@@ -58,6 +58,9 @@ Kind = Literal["fresh", "stale", "replay"]
 WeightFn = Callable[[int, int], float]
 # Slack on the replay-share comparison so that e.g. 0.29 * 100 (28.999...96) admits 29 samples.
 _SHARE_SLACK = 1e-9
+# Defaults of replay_weight (reasons in its docstring).
+REUSE_DECAY = 0.5
+STALENESS_DECAY = 0.9
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,8 @@ class ReplayPolicy:
     replay_ratio: float  # largest share of a batch, in samples, from already-trained trajectories
     max_reuse: int  # a trajectory is trained on at most this many times (1 = never replayed)
     replay_order: Literal["newest", "advantage", "signal"] = "newest"  # which replayed groups go first
-    reuse_decay: float = 0.5  # "signal": a replay's weight factor per previous use (replay_weight's)
-    staleness_decay: float = 0.9  # "signal": its factor per version of age
+    reuse_decay: float = REUSE_DECAY  # "signal": a replay's weight factor per previous use (replay_weight's)
+    staleness_decay: float = STALENESS_DECAY  # "signal": its factor per version of age
 
     def __post_init__(self) -> None:
         if self.max_staleness_versions < 0:
@@ -196,13 +199,54 @@ FROM members ORDER BY part, pos, m['sample_index'], m['trajectory_id']
 """
 
 
+def replay_weight(reuse_count: int, staleness: int, reuse_decay: float = REUSE_DECAY,
+                  staleness_decay: float = STALENESS_DECAY) -> float:
+    """Per-sample loss weight that shrinks with reuse and age.
+
+    ``weight = reuse_decay ** reuse_count * staleness_decay ** staleness``
+    with ``reuse_count`` the times the sample was trained on before and
+    ``staleness`` the trainer version minus the sample's (oldest) policy
+    version: ``select_batch``'s ``weight_fn``. Plain arithmetic, so (B,)
+    tensors work too; it lives here, not beside the losses, so that the
+    simulator's selection imports no torch.
+
+    Defaults and why:
+
+    * ``reuse_decay = 0.5``: each replay counts half as much as the one
+      before, so a sample's total weight over all its uses is below 2
+      (``1 + 1/2 + 1/4 + ... < 2``) whatever ``max_reuse`` is: replay can
+      stretch a generation over several updates but no sample can dominate
+      the gradient the way repeated full-weight epochs do (the overfitting
+      risk of PPO epochs on the same data). AdamW ignores a loss's scale,
+      so that bound holds for the step's size only with
+      ``train.lr_by_weight`` (the default), which scales each step's
+      learning rate by its samples' mean weight.
+    * ``staleness_decay = 0.9``: mild, because the bias of old samples is
+      already corrected token by token (``decoupled_ppo_loss``); the decay
+      only curbs the variance that the importance weights add as data ages.
+      At ``max_staleness_versions = 4`` the oldest admissible sample keeps
+      ``0.9 ** 4 = 0.66`` of a fresh one's weight.
+
+    Args:
+        reuse_count: >= 0.
+        staleness: >= 0.
+        reuse_decay, staleness_decay: in (0, 1]; 1 switches that factor off.
+    Returns:
+        the weight, in (0, 1].
+    """
+    for name, decay in (("reuse_decay", reuse_decay), ("staleness_decay", staleness_decay)):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"{name} must be in (0, 1], got {decay}")
+    return reuse_decay**reuse_count * staleness_decay**staleness
+
+
 def select_batch(store: TrajectoryStore, run_id: str, trainer_version: int, groups_needed: int,
                  policy: ReplayPolicy, weight_fn: WeightFn | None = None, *,
                  samples_per_prompt: int | None = None) -> ReplaySelection:
     """Up to ``groups_needed`` whole groups for the step trained at ``trainer_version`` (rules: module doc).
 
     ``weight_fn(reuse_count, staleness)`` gives each trajectory's loss weight
-    (default 1.0; ``policies.offpolicy.replay_weight`` is the ReFlow default).
+    (default 1.0; ``replay_weight`` is the ReFlow default).
     Returns an empty selection when nothing is admissible or nothing was
     written yet. Recording the step is the caller's job:
     ``store.append_usage(selection.usage_rows(run_id, step, selection.trainer_version), ...)``.

@@ -27,10 +27,9 @@ from reflow.control.state import LoopState
 from reflow.control.streaming import StreamStart
 from reflow.infra.placement import actor
 from reflow.infra.run import append_given_up
-from reflow.policies.offpolicy import replay_weight
 from reflow.storage import queries
 from reflow.storage.metrics import StepMetrics, StepTimes, StreamStats
-from reflow.storage.replay import ReplayPolicy, ReplaySelection, select_batch
+from reflow.storage.replay import ReplayPolicy, ReplaySelection, replay_weight, select_batch
 from reflow.storage.schema import GenRequest, GenResult, SampleId, group_stream_position, stream_tag
 from reflow.storage.store import TRAJECTORIES, USAGE
 from reflow.tasks.context import TaskContext, context, mark_origin, step_clock, step_control_cpu, step_cpu_idle

@@ -360,6 +360,22 @@ def test_cli_writes_sim_json_table_and_png(tmp_path, capsys) -> None:
     assert (tmp_path / "o" / "sim.png").stat().st_size > 10_000
 
 
+def test_a_simulation_imports_no_torch_ray_prefect_or_vllm(tmp_path) -> None:
+    """The issue's "no Ray, Prefect or torch in the loop": the modes run in a fresh interpreter, then its modules."""
+    import subprocess
+    import sys
+
+    prof = tmp_path / "p.json"
+    prof.write_text(profile([[3, 9, 4, 30]], [[1, 0, 1, 0]], base=0.005, token_s=0.0005).model_dump_json())
+    code = ("import sys\nfrom reflow.cli.main import main\n"
+            f"assert main(['simulate', '--profile', {str(prof)!r}, '--modes', 'sync,one_step_off,async,reflow,"
+            f"sorted_partial', '--set', 'run.total_steps=3', '--output', {str(tmp_path / 'o')!r}]) == 0\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray', 'prefect', 'vllm'}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-2000:]
+
+
 # calibration
 
 

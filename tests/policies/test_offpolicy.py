@@ -81,20 +81,6 @@ def test_tis_loss_on_policy_and_hand_computed() -> None:
     assert torch.allclose(loss, torch.tensor([[0.75, 1.2]]), atol=1e-6) and clipped.tolist() == [[0.0, 1.0]]
 
 
-def test_replay_weight_hand_computed() -> None:
-    assert offpolicy.replay_weight(0, 0) == 1.0
-    assert offpolicy.replay_weight(1, 0) == 0.5
-    assert offpolicy.replay_weight(2, 3) == pytest.approx(0.25 * 0.729)  # .5^2 * .9^3
-    assert offpolicy.replay_weight(1, 2, reuse_decay=1.0, staleness_decay=0.5) == 0.25
-    tensor = offpolicy.replay_weight(torch.tensor([0, 1, 2]), torch.tensor([0, 1, 4]))
-    assert torch.allclose(tensor, torch.tensor([1.0, 0.45, 0.25 * 0.6561]))
-    # the default keeps a sample's total weight over any number of uses below 2 fresh samples
-    assert sum(offpolicy.replay_weight(k, 0) for k in range(50)) < 2.0
-    with pytest.raises(ValueError, match="reuse_decay"):
-        offpolicy.replay_weight(1, 1, reuse_decay=0.0)
-    assert math.isclose(offpolicy.replay_weight(0, 4), 0.9**4)
-
-
 def test_sequence_and_geometric_weights_hand_computed() -> None:
     # token log-ratios ln 2, ln 4, ln 8 on the first two tokens only (mask 1, 1, 0); second row all masked
     anchor = torch.zeros(2, 3)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ import pytest
 
 from reflow.storage.delta_store import DeltaTrajectoryStore
 from reflow.storage.queries import recorded_batch, recorded_selection, trained_groups
-from reflow.storage.replay import ReplayPolicy, ReplaySelection, select_batch, select_batch_sql
+from reflow.storage.replay import ReplayPolicy, ReplaySelection, replay_weight, select_batch, select_batch_sql
 from reflow.storage.schema import Trajectory, Usage
 
 RUN = "run"
@@ -304,3 +305,15 @@ def test_policy_rejects_bad_values(kwargs: dict[str, object], message: str) -> N
     fields = {"max_staleness_versions": 2, "replay_ratio": 0.5, "max_reuse": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         ReplayPolicy(**fields)  # type: ignore[arg-type]
+
+
+def test_replay_weight_hand_computed() -> None:
+    assert replay_weight(0, 0) == 1.0
+    assert replay_weight(1, 0) == 0.5
+    assert replay_weight(2, 3) == pytest.approx(0.25 * 0.729)  # .5^2 * .9^3
+    assert replay_weight(1, 2, reuse_decay=1.0, staleness_decay=0.5) == 0.25
+    # the default keeps a sample's total weight over any number of uses below 2 fresh samples
+    assert sum(replay_weight(k, 0) for k in range(50)) < 2.0
+    with pytest.raises(ValueError, match="reuse_decay"):
+        replay_weight(1, 1, reuse_decay=0.0)
+    assert math.isclose(replay_weight(0, 4), 0.9**4)
