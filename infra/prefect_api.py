@@ -8,6 +8,12 @@ up front (Prefect's own singleton, which the flows then reuse) together with
 a watchdog process that stops it as soon as the driver is gone, and with it
 the Ray processes the driver left behind in its process group (Ray's
 dashboard and runtime-env agents otherwise wait forever on the dead GCS).
+
+Both run in sessions of their own. A terminal's Ctrl-C goes to its whole
+foreground process group: a server in it stopped at once, and Prefect, while
+the command wound down, retried the dead server for a minute (a run
+interrupted during its start-up took 75-123 s to exit). The watchdog ignores
+SIGINT, and a SIGKILL of the driver's process group does not reach it.
 """
 
 from __future__ import annotations
@@ -19,13 +25,13 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-# Runs as `python -c WATCHDOG DRIVER_PID SERVER_PID`, a child of the driver (so its parent changes when the
-# driver dies). Then it stops the server, and Ray's processes left in the driver's process group: with its
-# driver gone, Ray's dashboard and runtime-env agents wait forever on the dead GCS. SIGTERM, SIGKILL after 5 s.
+# Runs as `python -c WATCHDOG DRIVER_PID SERVER_PID DRIVER_PGID`, a child of the driver (so its parent changes
+# when the driver dies). Then it stops the server, and Ray's processes left in the driver's process group: with
+# its driver gone, Ray's dashboard and runtime-env agents wait forever on the dead GCS. SIGTERM, SIGKILL after 5 s.
 WATCHDOG = """
 import os, signal, sys, time
-driver, server = int(sys.argv[1]), int(sys.argv[2])
-group = os.getpgid(0)
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the driver's to handle
+driver, server, group = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -97,6 +103,28 @@ def _environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+class _SessionSubprocess:
+    """``subprocess`` as a module sees it, whose ``Popen`` starts the child in a session of its own."""
+
+    def __getattr__(self, name: str):
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(*args, **kwargs) -> subprocess.Popen:  # noqa: N802 (subprocess's name)
+        return subprocess.Popen(*args, start_new_session=True, **kwargs)
+
+
+@contextmanager
+def _own_session(module) -> Iterator[None]:
+    """While the block runs, the children ``module`` starts with ``subprocess.Popen`` get sessions of their own
+    (Prefect's server launch takes no such option)."""
+    module.subprocess = _SessionSubprocess()
+    try:
+        yield
+    finally:
+        module.subprocess = subprocess
+
+
 def start_ephemeral_server(quiet: bool = False) -> int | None:
     """Start Prefect's ephemeral API server and its watchdog; the server's pid (None with ``PREFECT_API_URL``).
 
@@ -120,6 +148,7 @@ def ephemeral_server_starting(quiet: bool = False) -> Iterator[None]:
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
         yield
         return
+    from prefect.server.api import server as server_module
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer()  # the instance Prefect's clients use in ephemeral mode
@@ -132,7 +161,7 @@ def ephemeral_server_starting(quiet: bool = False) -> Iterator[None]:
     def quiet_command():  # the server's environment only: the caller waits for the first launch (a relaunch on a
         # port taken meanwhile sets it for the moment of the Popen)
         try:
-            with _environment(QUIET_SERVER_ENV if quiet else {}):
+            with _environment(QUIET_SERVER_ENV if quiet else {}), _own_session(server_module):
                 return command()
         finally:
             launched.set()
@@ -160,5 +189,6 @@ def ephemeral_server_starting(quiet: bool = False) -> Iterator[None]:
         return
     global _SERVER_PID
     pid = _SERVER_PID = server.server_process.pid
-    subprocess.Popen([sys.executable, "-I", "-c", WATCHDOG, str(os.getpid()), str(pid)],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.Popen([sys.executable, "-I", "-c", WATCHDOG, str(os.getpid()), str(pid), str(os.getpgid(0))],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import psutil
 import pytest
 
 
@@ -28,10 +29,17 @@ def _session_pids(sid: int) -> list[int]:
     return found
 
 
-def _session_processes(sid: int) -> list[str]:
-    """Command lines of live processes in session ``sid`` (the killed driver's: Prefect, Ray, actors)."""
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def _session_processes(sid: int, others: tuple[int, ...] = ()) -> list[str]:
+    """Command lines of live processes in session ``sid`` (the killed driver's: Ray, actors) and of ``others``."""
     found = []
-    for pid in _session_pids(sid):
+    for pid in [*_session_pids(sid), *others]:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
             if stat.rsplit(")", 1)[1].split()[0] == "Z":
@@ -58,6 +66,7 @@ class Attempt:
                                      start_new_session=True)
         self.lines: list[str] = []
         self.cond = threading.Condition()
+        self.helpers: tuple[int, ...] = ()  # the driver's children in sessions of their own (Prefect's server)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -90,19 +99,32 @@ class Attempt:
                 assert time.monotonic() < deadline, f"no {prefix!r} in time:\n{self.output()}"
                 self.cond.wait(1.0)
 
+    def send(self, signum: int, group: bool = False) -> None:
+        """Send ``signum`` to the driver (as `kill PID` does) or to its process group (a terminal's Ctrl-C);
+        first note the driver's children that run in sessions of their own, for ``survivors``."""
+        assert self.proc.poll() is None, "the attempt finished before the signal:\n" + self.output()
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        self.helpers = tuple(c.pid for c in children if _sid(c.pid) not in (None, self.proc.pid))
+        if group:
+            os.killpg(self.proc.pid, signum)
+        else:
+            self.proc.send_signal(signum)
+
     def kill(self) -> None:
-        """SIGKILL the driver's whole process group, then check nothing of its session survives."""
-        assert self.proc.poll() is None, "the attempt finished before it could be killed:\n" + self.output()
-        sid = self.proc.pid
-        os.killpg(sid, signal.SIGKILL)
+        """SIGKILL the driver's whole process group, then check nothing of it survives."""
+        self.send(signal.SIGKILL, group=True)
         self.proc.wait(timeout=30)
         left = self.survivors()
         assert not left, f"processes of the killed run are still alive: {left}"
 
     def survivors(self, timeout: float = SURVIVOR_WAIT_S) -> list[str]:
-        """Processes of the attempt's session still alive after waiting up to ``timeout`` seconds."""
+        """Processes of the attempt's session, and the helpers ``send`` noted, still alive after waiting up to
+        ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        while (left := _session_processes(self.proc.pid)) and time.monotonic() < deadline:
+        while (left := _session_processes(self.proc.pid, self.helpers)) and time.monotonic() < deadline:
             time.sleep(0.5)
         return left
 

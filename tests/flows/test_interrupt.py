@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,30 @@ def test_signal_to_the_driver_stops_the_run_cleanly(tmp_path: Path, reflow_proce
                           "--set", "run.total_steps=50", "--set", 'rollout.engine="transformers"',
                           "--set", f'model.cache_dir="{tmp_path / "models"}"'], tmp_path)
     run.wait_for_step(1)
-    run.proc.send_signal(signum)  # the driver only, as `kill PID` does; Ray and Prefect must go with it
+    run.send(signum)  # the driver only, as `kill PID` does; Ray and Prefect must go with it
     code = run.finish(timeout=90)
     assert code == 130, run.output()
     assert "interrupted" in run.output(tail=None)
     assert "Traceback" not in run.output(tail=None), run.output()
     assert max(run.steps_seen()) < 50
+    left = run.survivors()
+    assert not left, f"processes of the stopped run are still alive: {left}"
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_terminal_during_start_up_stops_the_run_in_seconds(tmp_path: Path, reflow_process) -> None:
+    """A terminal's Ctrl-C reaches the whole process group. When Prefect's API server was in it, it stopped at
+    once, and Prefect retried it while the run wound down: 75-123 s to exit, interrupted while starting Ray."""
+    run = reflow_process(["run", "--config", str(REPO / "configs/smoke.toml"), "--runs", str(tmp_path / "runs"),
+                          "--set", 'rollout.engine="transformers"',
+                          "--set", f'model.cache_dir="{tmp_path / "models"}"'], tmp_path)
+    run.wait_for_line("starting Ray and workers")
+    time.sleep(1.0)
+    assert not run.steps_seen(), run.output()
+    run.send(signal.SIGINT, group=True)
+    assert run.finish(timeout=45) == 130, run.output()
+    assert run.output(tail=None).rstrip().endswith("interrupted"), run.output()
+    assert len(run.helpers) == 2, run.helpers  # Prefect's API server and its watchdog
     left = run.survivors()
     assert not left, f"processes of the stopped run are still alive: {left}"
 
@@ -34,7 +53,7 @@ def test_sigkill_of_the_driver_alone_leaves_nothing_running(tmp_path: Path, refl
                           "--set", "run.total_steps=50", "--set", 'rollout.engine="transformers"',
                           "--set", f'model.cache_dir="{tmp_path / "models"}"'], tmp_path)
     run.wait_for_step(1)
-    run.proc.send_signal(signal.SIGKILL)
+    run.send(signal.SIGKILL)
     assert run.finish(timeout=30) == -signal.SIGKILL
     left = run.survivors()
     assert not left, f"processes of the killed run are still alive: {left}"
