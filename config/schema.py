@@ -122,13 +122,15 @@ class EnvConfig(_Section):
     data_format: Literal["auto", "parquet", "jsonl", "hf_dataset"] = Field(
         "auto", description="math, code, custom: format of data_path and eval_data_path ('auto': by suffix, or "
         "'hf_dataset' for a save_to_disk directory).")
-    eval_data_path: str | None = Field(None, min_length=1, max_length=4096, description="math, code: a separate "
-                                       "eval file; unset: eval rows are held out of data_path (eval_holdout_share).")
-    eval_holdout_share: float = Field(0.05, ge=0, le=0.5, description="math, code: share of data_path rows held "
-                                      "out for eval (chosen by a hash of the row's content, seed-independent) "
+    eval_data_path: str | None = Field(None, min_length=1, max_length=4096, description="math, code, custom: a "
+                                       "separate eval file; unset: eval rows are held out of data_path "
+                                       "(eval_holdout_share).")
+    eval_holdout_share: float = Field(0.05, ge=0, le=0.5, description="math, code, custom: share of data_path "
+                                      "rows held out for eval (chosen by a hash of the row's content, "
+                                      "seed-independent) "
                                       "when eval_data_path is unset.")
-    max_prompt_tokens: int = Field(1024, ge=16, le=131_072, description="math, code: rows whose rendered prompt "
-                                   "is longer (in the model's tokens) are dropped (256 when the tiny default "
+    max_prompt_tokens: int = Field(1024, ge=16, le=131_072, description="math, code, custom: rows whose rendered "
+                                   "prompt is longer (in the model's tokens) are dropped (256 when the tiny default "
                                    "policy trains math or code and this is unset).")
     code_test_seconds: float = Field(5.0, gt=0, le=120, description="code: wall-clock limit of one test run "
                                      "(CPU limit: the same, at most 10 s).")
@@ -155,7 +157,8 @@ class EnvConfig(_Section):
         if self.kind != "custom" and self.reward_function is not None:
             raise ValueError(f"env.reward_function applies to env.kind = 'custom', not {self.kind!r}")
         if self.kind == "arith" and (self.data_path or self.eval_data_path):
-            raise ValueError("env.data_path / env.eval_data_path apply to env.kind 'math' or 'code', not 'arith'")
+            raise ValueError("env.data_path / env.eval_data_path apply to env.kind 'math', 'code' or 'custom', "
+                             "not 'arith'")
         if self.eval_data_path and not self.data_path:
             raise ValueError("env.eval_data_path needs env.data_path (the synthetic dataset has its own eval split)")
         for name in ("data_path", "eval_data_path"):
@@ -270,13 +273,14 @@ class TrainConfig(_Section):
                                        "most -clip_ratio_c * A. Unset: off.")
     advantage_estimator: Literal["grpo", "dr_grpo"] = Field(
         "grpo", description="How rewards become advantages within a GRPO group (``policies.losses``): 'grpo' "
-        "centres by the group mean and divides by its (population) std; 'dr_grpo' only centres (Dr. GRPO).")
+        "centres by the group mean and divides by its std (advantage_std); 'dr_grpo' only centres (Dr. GRPO).")
     policy_loss: Literal["decoupled", "ppo"] = Field(
         "decoupled", description="decoupled: AReaL's decoupled PPO with the pre-update weights as the proximal "
         "policy and a capped behaviour weight per token (corrects stale and replayed tokens; default); ppo: the "
-        "clipped surrogate against the behaviour log-probs (verl's default without rollout correction).")
+        "clipped surrogate against the behaviour log-probs (verl's bypass_mode, as its one-step-off recipe "
+        "sets it; verl's default clips against log-probs the trainer recomputes).")
     is_weight_cap: float = Field(2.0, gt=0, le=100.0, description="decoupled: largest behaviour importance "
-                                 "weight exp(proximal - behaviour) per token.")
+                                 "weight exp(proximal - behaviour), per token or sequence as is_level says.")
     skip_zero_advantage: bool = Field(
         True, description="Skip forward and backward of samples whose gradient is exactly zero: advantage 0 "
         "(a GRPO group whose rewards are all equal) or loss weight 0, when kl_coef is 0. Their tokens still "
@@ -477,7 +481,8 @@ class StorageConfig(_Section):
 
 class EvalConfig(_Section):
     every_steps: int = Field(10, ge=1, le=1_000_000, description="Evaluate on held-out prompts every N steps.")
-    samples_per_prompt: int = Field(4, ge=1, le=64, description="Samples per held-out prompt (more: less noise).")
+    samples_per_prompt: int = Field(4, ge=1, le=64, description="Samples per held-out prompt, drawn "
+                                    "at rollout.temperature (never greedy; more: less noise).")
     deferred: bool = Field(False, description="Snapshot the weights at each eval point and evaluate after "
                            "training, so evaluation never enters the training clock (always on in the "
                            "streaming modes, whose engine is busy with training requests).")

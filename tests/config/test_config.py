@@ -69,7 +69,7 @@ def test_dataset_workload_fields_are_checked() -> None:
     assert cfg.env.kind == "math" and cfg.env.data_path is None
     with pytest.raises(ConfigError, match="set model.path"):
         load_config(None, ["env.kind=math", "env.data_path=data/dapo.parquet"])
-    with pytest.raises(ConfigError, match="apply to env.kind 'math' or 'code'"):
+    with pytest.raises(ConfigError, match="apply to env.kind 'math', 'code' or 'custom'"):
         load_config(None, ["env.data_path=d.parquet", "model.path=/m"])
     with pytest.raises(ConfigError, match="env.eval_data_path needs env.data_path"):
         load_config(None, ["env.kind=code", "env.eval_data_path=e.jsonl"])
