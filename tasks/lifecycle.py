@@ -251,10 +251,17 @@ def snapshot(run_dir: str, step: int, version: int, weights: object = None) -> S
 def keep_step(cfg: ReflowConfig, run_dir: str, step: int, last: int, version: int,
               snapshots: list[Snapshot] | None, weights: object = None) -> None:
     """After a step: snapshot the weights (or ``weights``, a reference to them) for a deferred evaluation when one
-    is due (``snapshots``: None when evaluation is inline), save a checkpoint when one is due."""
+    is due (``snapshots``: None when evaluation is inline), save a checkpoint when one is due.
+
+    A checkpoint tells a resume that its step and those before are done, so it waits until their snapshots are
+    on disk: a snapshot is written by a Ray task that may first start a worker (seconds), and a run stopped
+    between the checkpoint and the file lost those steps' evaluations for good.
+    """
     if snapshots is not None and cfg.eval_due(step, last):
         snapshots.append(snapshot(run_dir, step, version, weights))
     if cfg.checkpoint_due(step, last):
+        if snapshots:
+            ray.get([s.written for s in snapshots])
         checkpoint(run_dir, step)
 
 
