@@ -26,6 +26,7 @@ from pathlib import Path
 
 from reflow.cli.runtime import quiet_environment
 from reflow.config.load import InputError
+from reflow.infra.prefect_api import watch
 
 HEALTH_TIMEOUT_S = 90.0
 
@@ -69,8 +70,12 @@ def start_server(host: str, port: int) -> subprocess.Popen:
         raise ServeError(f"port {port} on {host} is already in use: pass --port with a free port, or "
                          f"--api-url http://{host}:{port}/api to use a Prefect server already running there")
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": f"http://{host}:{port}/api"}
+    # a session of its own: a terminal's Ctrl-C reached the server too, and the runner, pausing the deployments on
+    # its way out, retried the stopped server for a minute; this process stops it, or the watchdog if it dies
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    watch(proc.pid)
     api_url = f"http://{host}:{port}/api"
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     while not healthy(api_url):

@@ -26,12 +26,22 @@ from contextlib import contextmanager
 from typing import Iterator
 
 # Runs as `python -c WATCHDOG DRIVER_PID SERVER_PID DRIVER_PGID`, a child of the driver (so its parent changes
-# when the driver dies). Then it stops the server, and Ray's processes left in the driver's process group: with
-# its driver gone, Ray's dashboard and runtime-env agents wait forever on the dead GCS. SIGTERM, SIGKILL after 5 s.
+# when the driver ends, however it ends). Then it stops the server if it is still up, and the Ray processes left in
+# the driver's process group that started while the driver ran: with their GCS gone, Ray's dashboard and
+# runtime-env agents wait forever (a driver killed outright; or a `ray.init` interrupted half-way, which
+# `ray.shutdown` does not undo). SIGTERM, SIGKILL after 5 s. Processes of the group that started before the driver
+# or after it ended (a test runner's own Ray) are left alone.
 WATCHDOG = """
 import os, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the driver's to handle
 driver, server, group = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+TICK = os.sysconf("SC_CLK_TCK")
+def started(pid):  # clock ticks after boot (/proc/PID/stat, field 22)
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+def now():
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0]) * TICK
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -40,28 +50,31 @@ def alive(pid):
         return False
     except PermissionError:
         return True
-def ray_processes():
+def ray_processes(since, until):
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
-            if os.getpgid(int(name)) != group:
+            if os.getpgid(int(name)) != group or not since <= started(int(name)) <= until:
                 continue
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 cmd = f.read()
-        except OSError:
+        except (OSError, ValueError, IndexError):
             continue
         if cmd.startswith(b"ray::") or b"/site-packages/ray/" in cmd:
             found.append(int(name))
     return found
-while os.getppid() == driver and alive(server):
+try:
+    since = started(driver)
+except (OSError, ValueError, IndexError):
+    sys.exit(0)  # the driver is gone already
+while os.getppid() == driver:
     time.sleep(1.0)
-if not alive(server):
-    sys.exit(0)  # stopped by the driver (a normal exit stops it first) or on its own: nothing to clean
+until = now()
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 time.sleep(2.0)  # Ray's GCS and raylet exit by themselves; what is left after that is stuck
-targets = [p for p in [server, *ray_processes()] if alive(p)]
+targets = [p for p in [server, *ray_processes(since, until)] if alive(p)]
 for pid in targets:
     os.kill(pid, signal.SIGTERM)
 deadline = time.monotonic() + 5.0
@@ -188,7 +201,12 @@ def ephemeral_server_starting(quiet: bool = False) -> Iterator[None]:
     if server.server_process is None:
         return
     global _SERVER_PID
-    pid = _SERVER_PID = server.server_process.pid
-    subprocess.Popen([sys.executable, "-I", "-c", WATCHDOG, str(os.getpid()), str(pid), str(os.getpgid(0))],
+    _SERVER_PID = server.server_process.pid
+    watch(_SERVER_PID)
+
+
+def watch(server_pid: int) -> None:
+    """Start the watchdog (``WATCHDOG``) that stops the server ``server_pid`` if this process dies without doing so."""
+    subprocess.Popen([sys.executable, "-I", "-c", WATCHDOG, str(os.getpid()), str(server_pid), str(os.getpgid(0))],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True)

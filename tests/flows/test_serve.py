@@ -50,6 +50,36 @@ def test_serve_on_a_port_in_use_exits_2(tmp_path: Path) -> None:
     assert not (tmp_path / "prefect").exists()
 
 
+@pytest.mark.slow
+def test_ctrl_c_in_a_terminal_stops_serve_and_its_server_in_seconds(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C reaches the whole process group: when it stopped the server too, the runner retried the
+    stopped server while pausing the deployments, and serve took 70 s to exit."""
+    import time
+
+    import psutil
+
+    proc = _serve(_free_port(), tmp_path)
+    try:
+        for line in proc.stdout:
+            if line.startswith("serving "):
+                break
+        else:
+            pytest.fail(f"reflow serve exited with code {proc.wait()}")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "no Prefect server started"
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and "stopped" in output, output
+    assert seconds < 30, f"serve took {seconds:.0f} s to stop"
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], alive
+
+
 def _train_deployments(out_dir: Path) -> dict:
     from reflow.cli.serve import deployments
 
