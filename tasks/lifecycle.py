@@ -389,11 +389,15 @@ def teardown(run_dir: str, failed: bool) -> None:
         tracker.end("FAILED")
     lock = _LOCKS.pop(run_dir, None)
     path = Path(run_dir) / "run.json"
-    if path.exists():
-        rec = RunRecord.model_validate_json(path.read_text())
-        stop_workers(Placement(namespace=rec.namespace, engines=rec.engines, trainer=rec.trainer))
-    elif ray.is_initialized():
-        ray.shutdown()
-    if lock is not None:  # after the workers stopped: nothing writes any more
-        lock.release()
+    try:
+        if path.exists():
+            rec = RunRecord.model_validate_json(path.read_text())
+            stop_workers(Placement(namespace=rec.namespace, engines=rec.engines, trainer=rec.trainer))
+        elif ray.is_initialized():
+            ray.shutdown()
+    finally:  # after the workers stopped, nothing writes any more; a Ctrl-C while they stop ends the process,
+        # and its workers with it, so the lock is not left behind (a dead writer's lock is taken over, but it
+        # looked like a live run to a reader)
+        if lock is not None:
+            lock.release()
     sys.stdout.flush()

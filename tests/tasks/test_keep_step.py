@@ -1,4 +1,4 @@
-"""``tasks.lifecycle.keep_step``: a checkpoint is saved only once the deferred evaluations' snapshots are on disk."""
+"""``tasks.lifecycle``: a checkpoint waits for the snapshots of its steps; teardown releases the writer lock."""
 
 from __future__ import annotations
 
@@ -35,3 +35,30 @@ def test_a_checkpoint_waits_for_the_snapshots_of_its_steps(local_ray, monkeypatc
     assert order == [(1, [1]), (3, [1, 3])]  # each checkpoint came after the files of its step's snapshots
     lifecycle.keep_step(cfg, str(tmp_path), 3, 3, 4, None)  # inline evaluation: nothing to wait for
     assert order[-1] == (3, [1, 3])
+
+
+def test_a_ctrl_c_while_the_workers_stop_still_releases_the_writer_lock(monkeypatch, tmp_path) -> None:
+    from reflow.infra.run import RunRecord
+    from reflow.infra.runlock import WriterLock, read_lock
+    from reflow.tasks import lifecycle
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(RunRecord(
+        run_id="r", run_dir=str(run_dir), store_root=str(run_dir / "tables"), model_dir="m", namespace="ns",
+        engines=("e0",), trainer="t", tracking_uri="none").model_dump_json())
+    lock = WriterLock([run_dir / "writer.lock"], "r").acquire()
+    assert read_lock(run_dir / "writer.lock") is not None
+    monkeypatch.setitem(lifecycle._LOCKS, str(run_dir), lock)
+
+    def interrupted(placement) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lifecycle, "stop_workers", interrupted)
+    try:
+        lifecycle.teardown(str(run_dir), failed=True)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interrupt was swallowed")
+    assert read_lock(run_dir / "writer.lock") is None
