@@ -177,6 +177,7 @@ def test_a_sorted_round_killed_between_its_trajectories_and_its_cache_snapshot_i
     for step in (2, 3):
         shutil.rmtree(run_dir / "checkpoints" / f"step-{step:06d}")
     shutil.rmtree(run_dir / "final_model")
+    (run_dir / "finished.json").unlink()  # written last: a run killed in round 2 has none
     steps = (run_dir / "steps.jsonl").read_text().splitlines(keepends=True)
     (run_dir / "steps.jsonl").write_text("".join(steps[:2]))
     rows = DeltaTable(str(tables / "trajectories")).to_pyarrow_dataset().to_table()
