@@ -6,8 +6,8 @@ killed by SIGKILL or the OOM killer never reaches its exit handlers, so the
 server kept running, one more per crash. ``start_ephemeral_server`` starts it
 up front (Prefect's own singleton, which the flows then reuse) together with
 a watchdog process that stops it as soon as the driver is gone, and with it
-the Ray processes the driver left behind in its process group (Ray's
-dashboard and runtime-env agents otherwise wait forever on the dead GCS).
+the Ray processes the driver started and left behind (Ray's dashboard and
+runtime-env agents otherwise wait forever on the dead GCS).
 
 Both run in sessions of their own. A terminal's Ctrl-C goes to its whole
 foreground process group: a server in it stopped at once, and Prefect, while
@@ -25,23 +25,20 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-# Runs as `python -c WATCHDOG DRIVER_PID SERVER_PID DRIVER_PGID`, a child of the driver (so its parent changes
-# when the driver ends, however it ends). Then it stops the server if it is still up, and the Ray processes left in
-# the driver's process group that started while the driver ran: with their GCS gone, Ray's dashboard and
-# runtime-env agents wait forever (a driver killed outright; or a `ray.init` interrupted half-way, which
-# `ray.shutdown` does not undo). SIGTERM, SIGKILL after 5 s. Processes of the group that started before the driver
-# or after it ended (a test runner's own Ray) are left alone.
+# Runs as `python -c WATCHDOG DRIVER_PID SERVER_PID`, a child of the driver (so its parent changes when the driver
+# ends, however it ends). While the driver runs it notes the Ray processes among the driver's descendants; once the
+# driver is gone it stops the server if it is still up, and those Ray processes that outlived it: with their GCS
+# gone, Ray's dashboard and runtime-env agents wait forever (a driver killed outright; or a `ray.init` interrupted
+# half-way, which `ray.shutdown` does not undo). SIGTERM, SIGKILL after 5 s. Only the driver's own descendants:
+# another Ray in its process group (a test runner's, started beside a `reflow` it runs) is left alone.
 WATCHDOG = """
 import os, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the driver's to handle
-driver, server, group = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-TICK = os.sysconf("SC_CLK_TCK")
-def started(pid):  # clock ticks after boot (/proc/PID/stat, field 22)
+driver, server = int(sys.argv[1]), int(sys.argv[2])
+def stat(pid):  # (parent pid, start time in clock ticks after boot) from /proc/PID/stat
     with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[19])
-def now():
-    with open("/proc/uptime") as f:
-        return float(f.read().split()[0]) * TICK
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[1]), int(fields[19])
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -50,31 +47,41 @@ def alive(pid):
         return False
     except PermissionError:
         return True
-def ray_processes(since, until):
-    found = []
+def ray_descendants():  # pid -> start time of the driver's descendants that are Ray's
+    parent, born = {}, {}
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            if os.getpgid(int(name)) != group or not since <= started(int(name)) <= until:
+        if name.isdigit():
+            try:
+                parent[int(name)], born[int(name)] = stat(name)
+            except (OSError, ValueError, IndexError):
                 continue
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if cmd.startswith(b"ray::") or b"/site-packages/ray/" in cmd:
-            found.append(int(name))
+    children = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, [driver]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if cmd.startswith(b"ray::") or b"/site-packages/ray/" in cmd:
+                found[pid] = born[pid]
     return found
-try:
-    since = started(driver)
-except (OSError, ValueError, IndexError):
-    sys.exit(0)  # the driver is gone already
+seen = {}
 while os.getppid() == driver:
+    seen.update(ray_descendants())
     time.sleep(1.0)
-until = now()
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 time.sleep(2.0)  # Ray's GCS and raylet exit by themselves; what is left after that is stuck
-targets = [p for p in [server, *ray_processes(since, until)] if alive(p)]
+def same(pid, born):
+    try:
+        return stat(pid)[1] == born
+    except (OSError, ValueError, IndexError):
+        return False
+targets = [p for p in [server] if alive(p)] + [p for p, born in seen.items() if same(p, born)]
 for pid in targets:
     os.kill(pid, signal.SIGTERM)
 deadline = time.monotonic() + 5.0
@@ -207,6 +214,6 @@ def ephemeral_server_starting(quiet: bool = False) -> Iterator[None]:
 
 def watch(server_pid: int) -> None:
     """Start the watchdog (``WATCHDOG``) that stops the server ``server_pid`` if this process dies without doing so."""
-    subprocess.Popen([sys.executable, "-I", "-c", WATCHDOG, str(os.getpid()), str(server_pid), str(os.getpgid(0))],
+    subprocess.Popen([sys.executable, "-I", "-c", WATCHDOG, str(os.getpid()), str(server_pid)],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True)
